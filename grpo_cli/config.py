@@ -1,0 +1,278 @@
+"""Typed config schemas (Hydra ConfigStore) and whole-config validation.
+
+The schemas type every group, so `loss.beta=abc` or a misspelt key fails while Hydra composes
+the config. `validate(cfg)` then checks values and combinations and returns *every* problem at
+once, before any model or dataset is loaded. YAML keys equal the parameter names they feed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    # Hub id, local folder, or "builtin:tiny" (a small random-init model built offline, cached).
+    name_or_path: str = MISSING
+    # A .gguf file inside name_or_path (a folder or hub repo); dequantised on load.
+    gguf_file: Optional[str] = None
+    # Tokenizer source when it differs from name_or_path.
+    tokenizer: Optional[str] = None
+    revision: Optional[str] = None
+    # Never on unless the user asks: it runs Python code shipped with the model.
+    trust_remote_code: bool = False
+    # Jinja chat template that replaces the tokenizer's own (None keeps the tokenizer's).
+    chat_template: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    # arithmetic (built-in generator) | file (json/jsonl/csv/parquet) | hub (a datasets name)
+    source: str = "arithmetic"
+    path: Optional[str] = None
+    subset: Optional[str] = None
+    split: str = "train"
+    # Split to evaluate on; None carves `eval_size` held-out rows off the training split.
+    eval_split: Optional[str] = None
+    eval_size: int = 200
+    prompt_column: str = "prompt"
+    system_prompt: Optional[str] = None
+    use_chat_template: bool = True
+    # What to do with prompts longer than sampler.max_prompt_length: drop | truncate_left | error
+    long_prompts: str = "drop"
+    # Built-in arithmetic generator.
+    num_examples: int = 2000
+    max_operand: int = 99
+    max_multiplier: int = 12
+    operations: List[str] = field(default_factory=lambda: ["+", "-", "*"])
+
+
+@dataclass
+class SamplerConfig:
+    num_generations: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 32
+    max_prompt_length: int = 256
+
+
+@dataclass
+class LossConfig:
+    beta: float = 0.04
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None  # None: same as epsilon (DAPO clip-higher when larger)
+    delta: Optional[float] = None  # two-sided clip of the ratio; None: off
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    scale_rewards: str = "group"  # group | batch | none
+    std: str = "population"  # population | sample
+    estimator: str = "grpo"  # grpo | rloo
+    eps: float = 1e-4
+    zero_std: str = "mask"  # mask | weight | keep
+    zero_std_threshold: float = 1e-6
+    mask_truncated_completions: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | linear | cosine
+
+
+@dataclass
+class TrainerConfig:
+    prompts_per_step: int = 1
+    gradient_accumulation_steps: int = 1
+    num_iterations: int = 1
+    max_steps: int = 100
+    epochs: int = 1
+    logging_steps: int = 1
+    save_steps: int = 50
+    eval_steps: int = 0  # 0: evaluate only at the end
+    seed: int = 0
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    gradient_checkpointing: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dynamic_sampling: bool = False
+    max_sampling_tries: int = 4
+    self_check: bool = True
+    resume: Optional[str] = None  # None | auto | a checkpoint folder
+    keep_last: int = 2
+    quiet: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Multi-select group: each chosen reward sits under its own key with `weight` and options.
+    reward: Dict[str, Any] = field(default_factory=dict)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema that conf/config.yaml extends (`defaults: [grpo_schema, ...]`)."""
+    ConfigStore.instance().store(name="grpo_schema", node=Config)
+
+
+CHOICES = {
+    "data.source": ("arithmetic", "file", "hub"),
+    "data.long_prompts": ("drop", "truncate_left", "error"),
+    "loss.loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
+    "loss.kl_estimator": ("k1", "k2", "k3"),
+    "loss.importance_sampling_level": ("token", "sequence"),
+    "loss.scale_rewards": ("group", "batch", "none"),
+    "loss.std": ("population", "sample"),
+    "loss.estimator": ("grpo", "rloo"),
+    "loss.zero_std": ("mask", "weight", "keep"),
+    "optimizer.name": ("adamw",),
+    "optimizer.lr_scheduler": ("constant", "linear", "cosine"),
+    "trainer.precision": ("auto", "fp32", "bf16", "fp16"),
+}
+
+POSITIVE_INTS = (
+    "sampler.max_new_tokens",
+    "sampler.max_prompt_length",
+    "trainer.prompts_per_step",
+    "trainer.gradient_accumulation_steps",
+    "trainer.num_iterations",
+    "trainer.max_steps",
+    "trainer.epochs",
+    "trainer.logging_steps",
+    "trainer.save_steps",
+    "trainer.max_sampling_tries",
+    "trainer.keep_last",
+    "data.num_examples",
+    "data.max_operand",
+)
+NON_NEGATIVE = (
+    "sampler.top_k",
+    "trainer.eval_steps",
+    "data.eval_size",
+    "data.max_multiplier",
+    "optimizer.warmup_steps",
+    "optimizer.weight_decay",
+    "loss.eps",
+    "loss.zero_std_threshold",
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def validate(cfg: Any) -> list[str]:
+    """Every problem in a composed config, as one-line messages naming the value and the fix."""
+    problems: list[str] = []
+
+    for key, valid in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in valid:
+            problems.append(f"{key}={value!r} is not one of {', '.join(valid)}; pick one of those.")
+    for key in POSITIVE_INTS:
+        value = _get(cfg, key)
+        if value < 1:
+            problems.append(f"{key}={value} must be a positive integer (>= 1).")
+    for key in NON_NEGATIVE:
+        value = _get(cfg, key)
+        if value < 0:
+            problems.append(f"{key}={value} must be >= 0.")
+
+    s, lo, opt, tr = cfg.sampler, cfg.loss, cfg.optimizer, cfg.trainer
+    G = s.num_generations
+    if G < 2:
+        problems.append(
+            f"sampler.num_generations={G}: GRPO compares completions within a group, so it needs "
+            "at least 2 per prompt; set sampler.num_generations=8 (or any value >= 2)."
+        )
+    if not s.temperature > 0:
+        problems.append(
+            f"sampler.temperature={s.temperature} must be > 0 (log-probs are computed from "
+            "logits / temperature); use 1.0 for plain sampling."
+        )
+    if not 0 < s.top_p <= 1:
+        problems.append(f"sampler.top_p={s.top_p} must be in (0, 1]; 1.0 disables nucleus sampling.")
+    if not 0 < lo.epsilon < 1:
+        problems.append(f"loss.epsilon={lo.epsilon} must be in (0, 1); 0.2 is the usual value.")
+    if lo.epsilon_high is not None and not 0 < lo.epsilon_high < 1:
+        problems.append(
+            f"loss.epsilon_high={lo.epsilon_high} must be in (0, 1) (or null to reuse epsilon); "
+            "DAPO uses 0.28."
+        )
+    if lo.delta is not None and not lo.delta > 1:
+        problems.append(f"loss.delta={lo.delta} must be > 1 (it caps the ratio), or null to disable.")
+    if not lo.beta >= 0:
+        problems.append(f"loss.beta={lo.beta} must be >= 0; use 0 to train without a reference model.")
+    if not opt.learning_rate > 0:
+        problems.append(f"optimizer.learning_rate={opt.learning_rate} must be > 0, e.g. 1e-6.")
+    if not opt.max_grad_norm > 0:
+        problems.append(f"optimizer.max_grad_norm={opt.max_grad_norm} must be > 0, e.g. 1.0.")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= opt[key] < 1:
+            problems.append(f"optimizer.{key}={opt[key]} must be in [0, 1).")
+
+    # Micro-batches hold whole groups: the rows of one prompt's G completions stay together
+    # (ref 004: "batch size must be a multiple of num_generations"), so each micro-batch is
+    # prompts_per_step / gradient_accumulation_steps prompts.
+    P, A = tr.prompts_per_step, tr.gradient_accumulation_steps
+    if P >= 1 and A >= 1 and P % A != 0:
+        problems.append(
+            f"trainer.prompts_per_step={P} is not divisible by trainer.gradient_accumulation_steps={A}: "
+            f"each micro-batch must hold whole groups of sampler.num_generations={G} completions, "
+            f"i.e. {P}*{G}={P * G} completions cannot split into {A} micro-batches of whole groups. "
+            f"Set gradient_accumulation_steps to a divisor of {P} (e.g. 1) or prompts_per_step to a "
+            f"multiple of {A}."
+        )
+    if tr.device not in ("auto", "cpu", "cuda") and not str(tr.device).startswith("cuda:"):
+        problems.append(f"trainer.device={tr.device!r} must be auto, cpu, cuda or cuda:N.")
+    if tr.resume not in (None, "auto") and not str(tr.resume).strip():
+        problems.append("trainer.resume is empty; use auto, a checkpoint folder, or null.")
+
+    if cfg.data.source in ("file", "hub") and not cfg.data.path:
+        problems.append(
+            f"data.source={cfg.data.source} needs data.path (a local json/jsonl/csv/parquet file "
+            "or a hub dataset name)."
+        )
+    if not str(cfg.model.name_or_path).strip():
+        problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
+
+    problems.extend(_validate_rewards(cfg.reward))
+    return problems
+
+
+def _validate_rewards(reward: Any) -> list[str]:
+    if not reward:
+        return [
+            "no reward is configured: GRPO needs at least one; choose some with "
+            "'reward=[accuracy,format]'."
+        ]
+    problems = []
+    for name, node in reward.items():
+        if not hasattr(node, "get"):
+            problems.append(
+                f"reward.{name}={node!r} must be a mapping with a weight, e.g. reward.{name}.weight=1.0."
+            )
+            continue
+        weight = node.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            problems.append(f"reward.{name}.weight={weight!r} must be a number, e.g. 1.0.")
+    return problems

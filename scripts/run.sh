@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run a command inside the project's virtual environment, creating it on first use.
+#   bash scripts/run.sh grpo-train        # train with the default config
+#   bash scripts/run.sh pytest -q         # run the test suite
+# Set-up is idempotent: it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${GRPO_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
+    echo "grpo-cli needs Python >= 3.10; $("$python" --version 2>&1) found. Set PYTHON=/path/to/python3.11." >&2
+    exit 2
+  }
+  echo "[setup] creating virtual environment in $venv" >&2
+  "$python" -m venv "$venv"
+fi
+
+stamp="$venv/.grpo-cli-installed"
+want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[setup] installing torch and grpo-cli (first run only)" >&2
+  # torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build on CPU machines.
+  if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  fi
+  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[dev]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  "$venv/bin/python" -c 'import grpo_cli, torch, transformers, hydra' || {
+    echo "[setup] installation failed; see the pip output above" >&2
+    exit 1
+  }
+  echo "$want" > "$stamp"
+fi
+
+cd "$root"
+export PATH="$venv/bin:$PATH"
+exec "$@"

@@ -1,0 +1,77 @@
+"""Tier 4: the installed console scripts, run in a subprocess from outside the repository."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from conftest import console_script, run_cli
+
+
+def test_cfg_job_prints_composed_config(tmp_path):
+    res = run_cli([console_script("grpo-train"), "--cfg", "job", "model=qwen0.5b",
+                   "reward=[accuracy,format]", "loss.beta=0.04"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["model"]["name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert set(cfg["reward"]) == {"accuracy", "format"}
+    assert cfg["loss"]["beta"] == 0.04
+    assert list(tmp_path.iterdir()) == [], "--cfg job must not write anything"
+
+
+def test_bad_value_is_a_friendly_error_with_exit_2_and_no_artefacts(tmp_path):
+    res = run_cli([console_script("grpo-train"), "loss.beta=-1", "sampler.num_generations=1"],
+                  cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert "loss.beta=-1.0" in res.stderr and "sampler.num_generations=1" in res.stderr
+    assert list(tmp_path.rglob("*")) == [], "a rejected config must leave no run folder behind"
+
+
+def test_compose_error_exits_2_without_traceback(tmp_path):
+    res = run_cli([console_script("grpo-train"), "loss.beta=abc"], cwd=tmp_path)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and "'abc'" in res.stderr
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_user_config_dir_adds_a_preset(tmp_path):
+    (tmp_path / "my_conf" / "model").mkdir(parents=True)
+    (tmp_path / "my_conf" / "model" / "mine.yaml").write_text("name_or_path: /models/mine\n")
+    res = run_cli([console_script("grpo-train"), "--config-dir", str(tmp_path / "my_conf"),
+                   "model=mine", "--cfg", "job"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load(res.stdout)["model"]["name_or_path"] == "/models/mine"
+
+
+def test_check_env_reports_and_exits_0(tmp_path):
+    res = run_cli([console_script("grpo-check-env")], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for needle in ("torch", "transformers", "hydra-core", "cuda available", "bf16 supported",
+                   "precision", "cpu cores", "status: OK"):
+        assert needle in res.stdout, needle
+    res = run_cli([console_script("grpo-check-env"), "--json"], cwd=tmp_path)
+    info = json.loads(res.stdout)
+    assert info["packages"]["torch"] and info["recommended_precision"] in ("fp32", "bf16", "fp16")
+    assert info["cpu_cores"] >= 1
+
+
+def test_check_env_fails_on_a_broken_package(tmp_path):
+    broken = tmp_path / "shadow" / "datasets"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('simulated broken install')\n")
+    res = run_cli([console_script("grpo-check-env")], cwd=tmp_path,
+                  env={"PYTHONPATH": str(tmp_path / "shadow")})
+    assert res.returncode == 1
+    assert "datasets" in res.stdout and "simulated broken install" in res.stdout
+
+
+def test_multirun_composes_two_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    res = run_cli([console_script("grpo-train"), "-m", "loss.beta=0,0.04", "model=tiny",
+                   "trainer=smoke", "trainer.max_steps=1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    betas = sorted(yaml.safe_load((sweep / str(i) / "config.yaml").read_text())["loss"]["beta"]
+                   for i in range(2))
+    assert betas == [0.0, 0.04]
