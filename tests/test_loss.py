@@ -1,0 +1,578 @@
+"""Tests for grpo_cli.loss.
+
+Each test names the reference rule it locks (shared/reference/README.md):
+000.1 ratio against itself, 000.6 reductions / std kind, 000.8 numeric self-check,
+002 zero-std groups and spurious KL, 004 per-group advantages / clipping / k3 KL.
+Gradient comparisons run in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_cli.loss import (
+    LOG_RATIO_CLAMP,
+    group_advantages,
+    grpo_loss,
+    importance_ratio,
+    loss_normalizers,
+    per_token_kl,
+)
+
+F64 = torch.float64
+LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
+LEVELS = ["token", "sequence"]
+ZERO_STD_MODES = ["mask", "weight", "keep"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def lengths_mask(lengths, seq_len):
+    """[B, T] float mask, right padding: row i has lengths[i] valid tokens."""
+    ar = torch.arange(seq_len).unsqueeze(0)  # [1, T]
+    return (ar < torch.tensor(lengths).unsqueeze(1)).to(F64)  # [B, T]
+
+
+def make_batch(lengths, seq_len, seed=0):
+    """Random log-probs; old and ref near the policy so ratios stay inside the clip range."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(lengths)
+    logps = -torch.rand(b, seq_len, generator=g, dtype=F64) * 3.0 - 0.1  # [B, T]
+    old = logps + 0.05 * torch.randn(b, seq_len, generator=g, dtype=F64)  # [B, T]
+    ref = logps + 0.3 * torch.randn(b, seq_len, generator=g, dtype=F64)  # [B, T]
+    mask = lengths_mask(lengths, seq_len)  # [B, T]
+    return logps, old, ref, mask
+
+
+def grad_of(logps, *args, **kwargs):
+    """(loss, grad wrt logps, stats) for one grpo_loss call on a fresh leaf."""
+    leaf = logps.detach().clone().requires_grad_(True)
+    loss, stats = grpo_loss(leaf, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), leaf.grad.detach(), stats
+
+
+def batch_wide_advantages(rewards, eps=1e-4):
+    """The WRONG normalisation ref 004 warns about: mean/std over the whole batch."""
+    return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+@pytest.mark.parametrize(
+    "estimator,scale",
+    [("grpo", "group"), ("grpo", "none"), ("rloo", "group"), ("rloo", "none")],
+    ids=["grpo-group", "grpo-none", "rloo-group", "rloo-none"],
+)
+def test_advantages_are_per_group(estimator, scale):
+    """ref 004: changing one group's rewards leaves every other group's advantages unchanged."""
+    g = 4
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.2, 0.9, 0.4, 0.1, 3.0, 1.0, 2.0, 5.0])  # [B]
+    changed = rewards.clone()
+    changed[4:8] = torch.tensor([10.0, -7.0, 2.0, 8.0])  # only group 1 differs
+    a, _, _ = group_advantages(rewards, g, estimator=estimator, scale_rewards=scale)
+    b, _, _ = group_advantages(changed, g, estimator=estimator, scale_rewards=scale)
+    others = torch.tensor([1] * 4 + [0] * 4 + [1] * 4, dtype=torch.bool)
+    assert torch.equal(a[others], b[others])
+    assert not torch.equal(a[~others], b[~others])
+    # The batch-wide version fails the same property.
+    wa, wb = batch_wide_advantages(rewards), batch_wide_advantages(changed)
+    assert not torch.allclose(wa[others], wb[others])
+
+
+def test_advantages_detached_and_both_signs():
+    """ref 004 (detached constants) and ref 000.8 (advantages of both signs)."""
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.25, 1.0, 1.0, 1.0, 1.0], requires_grad=True)
+    adv, zero, gstd = group_advantages(rewards, 4)
+    for t in (adv, zero, gstd):
+        assert not t.requires_grad and t.grad_fn is None
+    assert (adv[:4] > 0).any() and (adv[:4] < 0).any()
+    assert adv.dtype == torch.float32 and zero.dtype == torch.bool
+
+
+@pytest.mark.parametrize(
+    "estimator,scale,std",
+    [
+        ("grpo", "group", "population"),
+        ("grpo", "group", "sample"),
+        ("grpo", "batch", "population"),
+        ("grpo", "none", "population"),
+        ("rloo", "group", "sample"),
+        ("rloo", "none", "population"),
+    ],
+    ids=["grpo-group-pop", "grpo-group-sample", "grpo-batch", "grpo-none", "rloo-group", "rloo-none"],
+)
+def test_zero_std_groups_get_exactly_zero(estimator, scale, std):
+    """ref 002: groups below the std threshold are flagged and get advantages exactly 0."""
+    rewards = torch.tensor(
+        [1.0, 1.0, 1.0, 1.0, 0.3, 0.3 + 1e-8, 0.3, 0.3, 0.0, 1.0, 0.0, 1.0], dtype=F64
+    )  # group 0 constant, group 1 below threshold, group 2 with signal
+    adv, zero, gstd = group_advantages(rewards, 4, estimator=estimator, scale_rewards=scale, std=std)
+    assert zero.tolist() == [True] * 8 + [False] * 4
+    assert torch.equal(adv[:8], torch.zeros(8, dtype=F64))
+    assert (adv[8:] != 0).all()
+    assert (gstd[:8] < 1e-6).all() and (gstd[8:] > 0.4).all()
+
+
+@pytest.mark.parametrize("k", [2, 3, 5], ids=["K2", "K3", "K5"])
+def test_rloo_is_leave_one_out(k):
+    """ref 004: RLOO advantage = r_i - mean(others) = K/(K-1) * (r_i - mean(group))."""
+    g = torch.Generator().manual_seed(k)
+    rewards = torch.rand(3 * k, generator=g, dtype=F64)  # [B]
+    adv, _, _ = group_advantages(rewards, k, estimator="rloo", scale_rewards="none")
+    grouped = rewards.view(-1, k)  # [B/K, K]
+    closed = (k / (k - 1) * (grouped - grouped.mean(1, keepdim=True))).reshape(-1)  # [B]
+    loop = []
+    for row in grouped:
+        for i in range(k):
+            others = torch.cat([row[:i], row[i + 1 :]])
+            loop.append(row[i] - others.mean())
+    assert torch.allclose(adv, closed)
+    assert torch.allclose(adv, torch.stack(loop))
+
+
+@pytest.mark.parametrize(
+    "std,expected_adv,expected_std",
+    [("population", 1.0, 0.5), ("sample", 1 / math.sqrt(2), 1 / math.sqrt(2))],
+    ids=["population", "sample"],
+)
+def test_population_vs_sample_std_g2(std, expected_adv, expected_std):
+    """ref 000.6: with G=2, rewards {0,1}: population std gives +-1, sample std +-0.707."""
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=F64)
+    adv, _, gstd = group_advantages(rewards, 2, std=std, eps=0.0)
+    sign = torch.tensor([-1.0, 1.0, 1.0, -1.0], dtype=F64)
+    assert torch.allclose(adv, expected_adv * sign)
+    assert torch.allclose(gstd, torch.full((4,), expected_std, dtype=F64))
+    if std == "population":  # unit RMS per group
+        assert torch.allclose(adv.view(-1, 2).pow(2).mean(1), torch.ones(2, dtype=F64))
+
+
+@pytest.mark.parametrize("scale", ["batch", "none", "group"], ids=["batch", "none", "group"])
+def test_scale_rewards_values(scale):
+    """ref 004: mean always per group; the divisor is group std, batch std, or none."""
+    rewards = torch.tensor([0.0, 2.0, 10.0, 14.0], dtype=F64)
+    eps = 1e-4
+    adv, _, _ = group_advantages(rewards, 2, scale_rewards=scale, eps=eps)
+    centered = torch.tensor([-1.0, 1.0, -2.0, 2.0], dtype=F64)
+    if scale == "none":
+        expected = centered
+    elif scale == "batch":
+        expected = centered / (rewards.std(unbiased=False) + eps)
+    else:
+        expected = centered / (torch.tensor([1.0, 1.0, 2.0, 2.0], dtype=F64) + eps)
+    assert torch.allclose(adv, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=["bf16", "fp16", "fp32", "fp64"])
+def test_advantages_dtype(dtype):
+    """Advantages are computed in float32 or wider whatever the reward dtype."""
+    adv, _, gstd = group_advantages(torch.tensor([0.0, 1.0], dtype=dtype), 2)
+    assert adv.dtype == gstd.dtype == torch.promote_types(dtype, torch.float32)
+
+
+# --------------------------------------------------------------------------- normalisers
+
+
+def test_loss_normalizers_counts():
+    """ref 000.8 (valid-token count) and ref 002 (masked zero-std rows leave the count)."""
+    mask = lengths_mask([3, 0, 2, 4], 4)
+    zero = torch.tensor([False, False, True, True])
+    assert loss_normalizers(mask) == (3, 9)
+    assert loss_normalizers(mask, zero) == (1, 3)
+    assert loss_normalizers(mask, zero, zero_std_mode="keep") == (3, 9)
+    assert loss_normalizers(mask, zero, zero_std_mode="weight") == (3, 9)
+    assert loss_normalizers(mask.bool(), zero) == (1, 3)
+
+
+# --------------------------------------------------------------------------- ratio == 1
+
+
+def expected_onpolicy_grad(adv, mask, loss_type):
+    """Hand-derived d loss / d logp at ratio 1 (policy term only): -A_i * d(reduction)/d(logp)."""
+    n_i = mask.sum(1, keepdim=True)  # [B, 1]
+    n_seq = (n_i > 0).sum()
+    n_tok = mask.sum()
+    a = adv.unsqueeze(1)  # [B, 1]
+    if loss_type == "grpo":
+        w = 1.0 / (n_i.clamp(min=1) * n_seq)
+    elif loss_type in ("bnpo", "dapo"):
+        w = 1.0 / n_tok
+    else:
+        w = 1.0 / (n_seq * mask.shape[1])
+    return -a * w * mask  # [B, T]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_onpolicy_ratio_one_and_gradient(loss_type, level):
+    """ref 000.1 / 000.8: with old = detached copy the ratio is exactly 1 and the
+    gradient is -A * d(reduction)/d(logp) (grpo: -A_i / (n_i * N))."""
+    logps, _, _, mask = make_batch([5, 2, 4, 1], 5)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=F64)
+    old = logps.detach().clone()
+    ratio = importance_ratio(logps, old, mask, level=level)
+    assert torch.equal(ratio, torch.ones_like(ratio))
+    _, grad, stats = grad_of(logps, old, None, adv, mask, loss_type=loss_type,
+                             importance_sampling_level=level)
+    assert stats["ratio_mean"].item() == 1.0 and stats["ratio_max"].item() == 1.0
+    assert stats["num_tokens"].item() == 12
+    assert torch.allclose(grad, expected_onpolicy_grad(adv, mask, loss_type))
+
+
+def test_old_logps_from_same_forward_pass_still_has_gradient():
+    """ref 000.1: old_logps are detached inside, so passing the live tensor by mistake
+    gives the on-policy gradient instead of a silent zero."""
+    logps, _, _, mask = make_batch([3, 3], 3)
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    leaf = logps.clone().requires_grad_(True)
+    loss, _ = grpo_loss(leaf, leaf, None, adv, mask)
+    loss.backward()
+    assert torch.allclose(leaf.grad, expected_onpolicy_grad(adv, mask, "grpo"))
+
+
+# --------------------------------------------------------------------------- KL
+
+
+def test_k3_nonnegative_and_zero_at_reference():
+    """ref 004: k3 = exp(x) - x - 1 >= 0 everywhere, == 0 when policy == reference."""
+    g = torch.Generator().manual_seed(1)
+    for dtype, scale in ((torch.float32, 1e-4), (torch.float32, 1.0), (torch.float32, 50.0), (F64, 5.0)):
+        lp = torch.randn(64, 33, generator=g).to(dtype) * scale
+        ref = torch.randn(64, 33, generator=g).to(dtype) * scale
+        assert (per_token_kl(lp, ref) >= 0).all()
+        assert torch.isfinite(per_token_kl(lp, ref)).all()
+        assert torch.equal(per_token_kl(lp, lp), torch.zeros_like(lp))
+
+
+@pytest.mark.parametrize(
+    "estimator,formula",
+    [
+        ("k1", lambda lp, ref: lp - ref),
+        ("k2", lambda lp, ref: 0.5 * (ref - lp) ** 2),
+        ("k3", lambda lp, ref: torch.exp(ref - lp) - (ref - lp) - 1),
+    ],
+    ids=["k1", "k2", "k3"],
+)
+def test_kl_estimator_formulas(estimator, formula):
+    """ref 004: KL estimators with x = ref_logp - logp; the 'kl' stat is their token mean."""
+    logps, _, ref, mask = make_batch([4, 2], 4, seed=3)
+    kl = per_token_kl(logps, ref, estimator=estimator)
+    assert torch.allclose(kl, formula(logps, ref))
+    _, stats = grpo_loss(logps, logps, ref, torch.zeros(2, dtype=F64), mask, beta=0.1,
+                         kl_estimator=estimator)
+    expected_mean = (formula(logps, ref) * mask).sum() / mask.sum()
+    assert torch.allclose(stats["kl"], expected_mean)
+
+
+# --------------------------------------------------------------------------- zero-std groups
+
+
+def zero_std_setup():
+    """Two groups of G=2: group 0 has signal, group 1 has constant rewards (zero std)."""
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=F64)
+    adv, zero, gstd = group_advantages(rewards, 2)
+    logps, old, ref, mask = make_batch([4, 3, 4, 2], 4, seed=7)
+    return logps, old, ref, mask, adv, zero, gstd
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_mask_mode_zero_std_group_has_zero_gradient(loss_type):
+    """ref 002 option 1: under 'mask' a zero-std group contributes exactly zero gradient
+    (policy and KL) and the other rows' gradients equal a batch without that group."""
+    logps, old, ref, mask, adv, zero, gstd = zero_std_setup()
+    kw = dict(beta=0.04, loss_type=loss_type, zero_std="mask")
+    loss, grad, stats = grad_of(logps, old, ref, adv, mask, zero_std_flags=zero, **kw)
+    assert torch.equal(grad[2:], torch.zeros_like(grad[2:]))
+    loss_s, grad_s, _ = grad_of(logps[:2], old[:2], ref[:2], adv[:2], mask[:2],
+                                zero_std_flags=zero[:2], **kw)
+    assert torch.allclose(loss, loss_s)
+    assert torch.allclose(grad[:2], grad_s)
+    assert stats["num_zero_std_rows"].item() == 2
+
+
+def test_keep_mode_zero_std_group_gets_kl_gradient():
+    """ref 002 (the bug, kept for comparison): under 'keep' the zero-std group's KL still
+    moves its tokens although its advantages are 0."""
+    logps, old, ref, mask, adv, zero, gstd = zero_std_setup()
+    _, grad, _ = grad_of(logps, old, ref, adv, mask, beta=0.04, zero_std="keep",
+                         zero_std_flags=zero)
+    _, grad0, _ = grad_of(logps, old, ref, adv, mask, beta=0.0, zero_std="keep",
+                          zero_std_flags=zero)
+    assert torch.equal(grad0[2:], torch.zeros_like(grad0[2:]))  # no policy signal
+    assert (grad[2:] * mask[2:]).abs().sum() > 0  # spurious KL gradient
+
+
+@pytest.mark.parametrize("mode", ZERO_STD_MODES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_signal_group_gets_policy_and_kl_gradient(mode, loss_type):
+    """ref 002 invariant: a group with reward signal keeps policy AND KL gradient in every mode."""
+    logps, old, ref, mask, adv, zero, gstd = zero_std_setup()
+    kw = dict(loss_type=loss_type, zero_std=mode, zero_std_flags=zero, group_std=gstd)
+    _, g_pol, _ = grad_of(logps, old, ref, adv, mask, beta=0.0, **kw)
+    _, g_all, _ = grad_of(logps, old, ref, adv, mask, beta=0.04, **kw)
+    valid = mask[:2].bool()
+    assert (g_pol[:2][valid] != 0).all()
+    assert ((g_all - g_pol)[:2][valid] != 0).all()
+
+
+@pytest.mark.parametrize("std_value", [0.0, 0.05, 0.06, 0.5], ids=["std0", "floor", "floor+width", "std.5"])
+def test_weight_mode_scales_kl_by_sigmoid(std_value):
+    """ref 002 option 2: under 'weight' each row's KL gradient is the 'keep' KL gradient
+    times sigmoid((group_std - floor) / width)."""
+    logps, old, ref, mask, _, _, _ = zero_std_setup()
+    adv = torch.zeros(4, dtype=F64)  # isolate the KL term
+    gstd = torch.full((4,), std_value, dtype=F64)
+    _, g_keep, _ = grad_of(logps, old, ref, adv, mask, beta=0.1, zero_std="keep")
+    _, g_w, _ = grad_of(logps, old, ref, adv, mask, beta=0.1, zero_std="weight", group_std=gstd,
+                        zero_std_floor=0.05, zero_std_width=0.01)
+    w = torch.sigmoid(torch.tensor((std_value - 0.05) / 0.01, dtype=F64))
+    assert torch.allclose(g_w, w * g_keep)
+    if std_value == 0.05:
+        assert torch.isclose(w, torch.tensor(0.5, dtype=F64))
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize(
+    "adv,ratio,eps,eps_high,has_grad,stat",
+    [
+        (1.0, 1.30, 0.2, None, False, "high"),  # A>0, above 1+eps: clipped
+        (1.0, 0.70, 0.2, None, True, None),  # A>0, below 1-eps: unclipped side
+        (-1.0, 0.70, 0.2, None, False, "low"),  # A<0, below 1-eps: clipped
+        (-1.0, 1.30, 0.2, None, True, None),  # A<0, above 1+eps: unclipped side
+        (1.0, 1.25, 0.2, 0.28, True, None),  # clip-higher: 1.25 < 1.28 still learns
+        (1.0, 1.30, 0.2, 0.28, False, "high"),  # beyond 1+eps_high: clipped
+        (-1.0, 0.75, 0.2, 0.28, False, "low"),  # low bound still uses eps
+        (1.0, 1.10, 0.2, None, True, None),  # inside the trust region
+    ],
+    ids=["pos-high-clip", "pos-low-free", "neg-low-clip", "neg-high-free",
+         "asym-1.25-free", "asym-1.30-clip", "asym-low-clip", "inside"],
+)
+def test_clipping_gradient(adv, ratio, eps, eps_high, has_grad, stat):
+    """ref 004 clipped surrogate (DAPO clip-higher): the clipped side gets zero gradient,
+    the unclipped side keeps it; the clip-ratio stats count the clipped tokens."""
+    logps = torch.zeros(1, 2, dtype=F64)
+    old = torch.full((1, 2), -math.log(ratio), dtype=F64)  # ratio = exp(0 - old)
+    mask = torch.ones(1, 2, dtype=F64)
+    a = torch.tensor([adv], dtype=F64)
+    _, grad, stats = grad_of(logps, old, None, a, mask, epsilon=eps, epsilon_high=eps_high,
+                             loss_type="bnpo")
+    if has_grad:
+        assert torch.allclose(grad, torch.full_like(grad, -adv * ratio / 2))
+    else:
+        assert torch.equal(grad, torch.zeros_like(grad))
+    assert stats["clip_ratio/high_mean"].item() == (1.0 if stat == "high" else 0.0)
+    assert stats["clip_ratio/low_mean"].item() == (1.0 if stat == "low" else 0.0)
+    assert stats["clip_ratio/region_mean"].item() == (1.0 if stat else 0.0)
+    assert math.isclose(stats["ratio_max"].item(), ratio)
+
+
+def test_sequence_level_ratio_constant_along_row():
+    """GSPO: one ratio per row, exp(mean of the row's valid log-ratios), broadcast along T."""
+    logps, old, _, mask = make_batch([5, 3, 1, 0], 5, seed=11)
+    ratio = importance_ratio(logps, old, mask, level="sequence")
+    n = mask.sum(1).clamp(min=1)
+    expected = torch.exp(((logps - old) * mask).sum(1) / n)  # [B]
+    assert torch.allclose(ratio, expected.unsqueeze(1).expand_as(ratio))
+    assert torch.equal(ratio[3], torch.ones(5, dtype=F64))  # empty row: ratio 1
+
+
+def test_delta_caps_the_unclipped_ratio():
+    """TRL two-sided clipping: with delta set, the unclipped branch uses min(r, delta)."""
+    logps = torch.zeros(1, 1, dtype=F64)
+    old = torch.full((1, 1), -math.log(5.0), dtype=F64)  # r = 5
+    mask = torch.ones(1, 1, dtype=F64)
+    a = torch.tensor([-1.0], dtype=F64)  # A<0, r high: unclipped side, loss = r
+    loss, grad, _ = grad_of(logps, old, None, a, mask)
+    assert math.isclose(loss.item(), 5.0) and grad.item() != 0
+    loss, grad, _ = grad_of(logps, old, None, a, mask, delta=2.0)
+    assert math.isclose(loss.item(), 2.0) and grad.item() == 0
+
+
+# --------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("mode", ZERO_STD_MODES)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_gradient_accumulation_invariance(loss_type, level, mode):
+    """ref 000.6: with step totals from loss_normalizers, four 2-row micro-batches sum to
+    the loss and gradient of one 8-row call (rows of different lengths, a zero-std group)."""
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.5, 1.0, 0.0, 0.3, 0.9], dtype=F64)
+    adv, zero, gstd = group_advantages(rewards, 2)
+    assert zero.tolist() == [False, False, True, True, False, False, False, False]
+    logps, old, ref, mask = make_batch([6, 1, 4, 6, 3, 0, 5, 2], 6, seed=5)
+    old = old + 0.3 * torch.randn(8, 6, dtype=F64, generator=torch.Generator().manual_seed(9))
+    kw = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level, zero_std=mode,
+              group_size=2)
+    full_loss, full_grad, _ = grad_of(logps, old, ref, adv, mask, zero_std_flags=zero,
+                                      group_std=gstd, **kw)
+    n_seq, n_tok = loss_normalizers(mask, zero, zero_std_mode=mode)
+    leaf = logps.clone().requires_grad_(True)
+    total = torch.zeros((), dtype=F64)
+    for s in range(0, 8, 2):
+        sl = slice(s, s + 2)
+        loss, _ = grpo_loss(leaf[sl], old[sl], ref[sl], adv[sl], mask[sl], zero_std_flags=zero[sl],
+                            group_std=gstd[sl], num_sequences=n_seq, num_tokens=n_tok, **kw)
+        loss.backward()
+        total = total + loss.detach()
+    assert torch.allclose(total, full_loss)
+    assert torch.allclose(leaf.grad, full_grad)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_duplicated_batch_same_loss(loss_type, level):
+    """ref 000.6: no hard-coded batch size; torch.cat([x, x]) leaves every loss unchanged."""
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.2, 0.7], dtype=F64)
+    adv, zero, gstd = group_advantages(rewards, 2)
+    logps, old, ref, mask = make_batch([3, 1, 4, 2, 4, 0], 4, seed=2)
+    kw = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level)
+    loss, _ = grpo_loss(logps, old, ref, adv, mask, zero_std_flags=zero, **kw)
+    d = lambda x: torch.cat([x, x])  # noqa: E731
+    adv2, zero2, _ = group_advantages(d(rewards), 2)
+    assert torch.equal(adv2, d(adv))
+    loss2, _ = grpo_loss(d(logps), d(old), d(ref), adv2, d(mask), zero_std_flags=zero2, **kw)
+    assert torch.allclose(loss, loss2)
+
+
+# --------------------------------------------------------------------------- robustness
+
+
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_finite_with_masked_garbage_and_extreme_logps(loss_type, level, kl_estimator):
+    """ref 000.8: finite loss and gradients with fully masked rows, inf/NaN garbage at
+    masked positions and extreme log-probs (-1e4) at valid ones."""
+    logps, old, ref, mask = make_batch([4, 0, 2, 3], 4, seed=4)
+    logps = logps.float()
+    old, ref, mask = old.float(), ref.float(), mask.bool()
+    logps[0, 1] = -1e4  # valid, extreme
+    ref[2, 0] = -1e4
+    old[3, 2] = -1e4
+    logps[~mask] = -float("inf")
+    old[~mask] = float("inf")
+    ref[~mask] = float("nan")
+    logps[1, 0] = float("nan")
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    leaf = logps.clone().requires_grad_(True)
+    loss, stats = grpo_loss(leaf, old, ref, adv, mask, beta=0.04, loss_type=loss_type,
+                            importance_sampling_level=level, kl_estimator=kl_estimator)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(leaf.grad).all()
+    assert torch.equal(leaf.grad[~mask], torch.zeros_like(leaf.grad[~mask]))
+    assert all(torch.isfinite(v) for v in stats.values())
+    assert stats["ratio_max"].item() <= math.exp(LOG_RATIO_CLAMP) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("flagged", [False, True], ids=["mask-zero", "all-rows-zero-std"])
+def test_all_masked_batch_gives_zero(loss_type, flagged):
+    """ref 000.8: an empty batch (no valid tokens, or every row a masked zero-std row)
+    gives a finite 0 loss, zero gradients and finite stats."""
+    logps = torch.randn(3, 4, dtype=F64)
+    mask = torch.ones(3, 4, dtype=F64) if flagged else torch.zeros(3, 4, dtype=F64)
+    flags = torch.ones(3, dtype=torch.bool) if flagged else None
+    loss, grad, stats = grad_of(logps, logps, logps + 1, torch.zeros(3, dtype=F64), mask,
+                                beta=0.1, loss_type=loss_type, zero_std_flags=flags, group_size=3)
+    assert loss.item() == 0.0
+    assert torch.equal(grad, torch.zeros_like(grad))
+    assert all(torch.isfinite(v) for v in stats.values())
+    assert stats["num_tokens"].item() == 0
+    assert stats["num_zero_std_groups"].item() == (1.0 if flagged else 0.0)
+
+
+@pytest.mark.parametrize("mode", ZERO_STD_MODES)
+def test_stats_over_tokens_entering_the_loss(mode):
+    """ref 000.8 / ref 002 monitoring: stats are over tokens entering the loss; padding
+    (ratio 1 there) never leaks into ratio_max; zero-std rows and groups are counted."""
+    logps = torch.zeros(4, 3, dtype=F64)
+    old = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=F64).unsqueeze(1).expand(4, 3)  # ratios < 1
+    mask = lengths_mask([3, 2, 1, 3], 3)
+    zero = torch.tensor([False, False, True, True])
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=F64)
+    _, stats = grpo_loss(logps, old, None, adv, mask, zero_std=mode, zero_std_flags=zero,
+                         group_std=torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=F64), group_size=2)
+    r = torch.exp(-old)  # [B, T]
+    rows = [0, 1] if mode == "mask" else [0, 1, 2, 3]
+    m = mask[rows].bool()
+    assert stats["num_tokens"].item() == m.sum().item()
+    assert math.isclose(stats["ratio_max"].item(), r[rows][m].max().item())
+    assert math.isclose(stats["ratio_mean"].item(), r[rows][m].mean().item())
+    assert stats["num_zero_std_rows"].item() == 2 and stats["num_zero_std_groups"].item() == 1
+    assert stats["kl"].item() == 0.0  # no reference given
+
+
+def test_bf16_inputs_compute_in_float32():
+    """Loss math runs in float32 or wider even for bf16 log-probs."""
+    logps, old, ref, mask = make_batch([3, 2], 3)
+    loss, stats = grpo_loss(logps.bfloat16(), old.bfloat16(), ref.bfloat16(),
+                            torch.tensor([1.0, -1.0]), mask, beta=0.04)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert stats["kl"].dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- bad options
+
+
+def _adv_call(**kw):
+    return group_advantages(torch.tensor([0.0, 1.0]), 2, **kw)
+
+
+def _loss_call(**kw):
+    x = torch.zeros(2, 3)
+    return grpo_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), **kw)
+
+
+@pytest.mark.parametrize(
+    "fn,kwargs,valid",
+    [
+        (_adv_call, {"scale_rewards": "global"}, ["group", "batch", "none"]),
+        (_adv_call, {"std": "unbiased"}, ["population", "sample"]),
+        (_adv_call, {"estimator": "ppo"}, ["grpo", "rloo"]),
+        (_loss_call, {"loss_type": "sum"}, LOSS_TYPES),
+        (_loss_call, {"importance_sampling_level": "seq"}, LEVELS),
+        (_loss_call, {"kl_estimator": "k4"}, ["k1", "k2", "k3"]),
+        (_loss_call, {"zero_std": "drop"}, ZERO_STD_MODES),
+        (lambda **kw: loss_normalizers(torch.ones(2, 2), **kw), {"zero_std_mode": "skip"},
+         ZERO_STD_MODES),
+    ],
+    ids=["scale_rewards", "std", "estimator", "loss_type", "is_level", "kl_estimator",
+         "zero_std", "normalizers-mode"],
+)
+def test_bad_option_names_raise(fn, kwargs, valid):
+    """Unknown option names fail loudly, naming the bad value and every valid one."""
+    bad = next(iter(kwargs.values()))
+    with pytest.raises(ValueError) as exc:
+        fn(**kwargs)
+    msg = str(exc.value)
+    assert repr(bad) in msg
+    assert all(repr(v) in msg for v in valid)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), None, torch.zeros(2),
+                           torch.ones(2, 3), beta=0.04), "ref_logps"),
+        (lambda: _loss_call(zero_std="weight"), "group_std"),
+        (lambda: group_advantages(torch.zeros(6), 4), "multiple of group_size"),
+        (lambda: group_advantages(torch.zeros(3), 1, estimator="rloo"), "group_size >= 2"),
+        (lambda: grpo_loss(torch.zeros(2, 3), torch.zeros(2, 4), None, torch.zeros(2),
+                           torch.ones(2, 3)), "old_logps"),
+    ],
+    ids=["ref-none-beta", "weight-no-std", "indivisible-batch", "rloo-g1", "shape-mismatch"],
+)
+def test_invalid_arguments_raise(call, match):
+    """ref 002 (KL needs a reference), ref 004 (batch a multiple of G), shape checks."""
+    with pytest.raises(ValueError, match=match):
+        call()
