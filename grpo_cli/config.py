@@ -265,14 +265,6 @@ def _validate_rewards(reward: Any) -> list[str]:
             "no reward is configured: GRPO needs at least one; choose some with "
             "'reward=[accuracy,format]'."
         ]
-    problems = []
-    for name, node in reward.items():
-        if not hasattr(node, "get"):
-            problems.append(
-                f"reward.{name}={node!r} must be a mapping with a weight, e.g. reward.{name}.weight=1.0."
-            )
-            continue
-        weight = node.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            problems.append(f"reward.{name}.weight={weight!r} must be a number, e.g. 1.0.")
-    return problems
+    from grpo_cli.rewards import check_rewards  # names, import paths, weights, options
+
+    return check_rewards(reward)

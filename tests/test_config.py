@@ -79,7 +79,9 @@ VALIDATION_CASES = [
     (["optimizer.learning_rate=0"], "optimizer.learning_rate=0", "> 0"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'", "fp32"),
     (["data=jsonl"], "data.path", "needs data.path"),
-    (["reward.accuracy.weight=heavy"], "reward.accuracy.weight='heavy'", "number"),
+    (["reward.accuracy.weight=heavy"], "reward.accuracy.weight", "'heavy'"),
+    (["reward.accuracy.extract=bogus"], "bogus", "last_number"),
+    (["+reward.mine.fn=no_such_module:fn"], "no_such_module", "PYTHONPATH"),
 ]
 
 
