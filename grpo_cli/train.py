@@ -39,6 +39,14 @@ def save_run_record(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Non
     _write_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
 
 
+def _discard_if_nothing_trained(run_dir: Path) -> None:
+    """Bad input found while building (data, model, rewards): leave no run folder behind."""
+    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists():
+        for name in ("config.yaml", "overrides.yaml"):
+            (run_dir / name).unlink(missing_ok=True)
+        _remove_if_empty(run_dir)
+
+
 def _remove_if_empty(run_dir: Path) -> None:
     """Hydra creates the run folder (and its parents) before our task runs; a rejected config
     leaves nothing behind: remove the empty folders up to, not including, the working dir."""
@@ -68,6 +76,7 @@ def _train(cfg: DictConfig) -> None:
 
         run(cfg, run_dir)
     except UserError as exc:
+        _discard_if_nothing_trained(run_dir)
         report_and_exit("grpo-train", [str(exc)])
 
 

@@ -1,0 +1,235 @@
+"""Prompts: the built-in arithmetic generator, local files and hub datasets; formatting,
+length filtering, the held-out split, and a seeded, resumable prompt stream.
+
+Every column other than the prompt column reaches the reward functions as a keyword argument.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpo_cli.errors import UserError
+
+OP_WORDS = {"+": "plus", "-": "minus", "*": "times"}
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class Example:
+    prompt: Any  # as in the dataset: a string or a list of chat messages
+    prompt_ids: list[int]
+    columns: dict[str, Any]  # every other column (answer, ...)
+
+
+@dataclass
+class PromptData:
+    train: list[Example]
+    eval: list[Example]
+    dropped: int = 0  # prompts over max_prompt_length removed by the `drop` rule
+    truncated: int = 0
+
+
+# ----------------------------------------------------------------------------- raw rows
+
+
+def arithmetic_rows(num_examples: int, eval_size: int, *, max_operand: int, max_multiplier: int,
+                    operations: list[str], seed: int) -> tuple[list[dict], list[dict]]:
+    """Unique "What is a plus b?" problems; the eval rows never appear in the training rows."""
+    bad = [op for op in operations if op not in OP_WORDS]
+    if bad or not operations:
+        raise UserError(f"data.operations={list(operations)} must be a non-empty list drawn from "
+                        f"{list(OP_WORDS)}.")
+    rng = random.Random(seed)
+    space = sum((max_operand + 1) * ((max_multiplier if op == "*" else max_operand) + 1)
+                for op in set(operations))
+    want = num_examples + eval_size
+    if want > space:
+        raise UserError(f"data.num_examples + data.eval_size = {want} exceeds the {space} distinct "
+                        "problems these operands allow; raise data.max_operand or ask for fewer.")
+    seen: set[tuple] = set()
+    rows = []
+    while len(rows) < want:
+        op = rng.choice(list(operations))
+        a = rng.randint(0, max_operand)
+        b = rng.randint(0, max_multiplier if op == "*" else max_operand)
+        if (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        rows.append({"prompt": f"What is {a} {OP_WORDS[op]} {b}? Answer with only the number.",
+                     "answer": str(answer)})
+    return rows[eval_size:], rows[:eval_size]
+
+
+def _load_table(path: str, subset: str | None, split: str, source: str) -> list[dict]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if source == "file":
+            file = Path(path).expanduser()
+            fmt = FILE_FORMATS.get(file.suffix.lower())
+            if fmt is None:
+                raise UserError(f"data.path={path!r}: unknown file type {file.suffix!r}; use one of "
+                                f"{', '.join(FILE_FORMATS)}.")
+            if not file.is_file():
+                raise UserError(f"data.path={path!r} does not exist (looked in {file.resolve()}). "
+                                "Give the path of a json/jsonl/csv/parquet file.")
+            if fmt == "json":
+                return _read_json_lines(file)
+            ds = datasets.load_dataset(fmt, data_files=str(file), split="train")
+        else:
+            ds = datasets.load_dataset(path, subset, split=split)
+    except UserError:
+        raise
+    except Exception as exc:  # datasets raises many types for unreachable/malformed sources
+        raise UserError(
+            f"could not load data.path={path!r} ({source}, split {split!r}): "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}. If the hub is unreachable, "
+            "download the dataset elsewhere, save it as jsonl and use data=jsonl data.path=FILE."
+        ) from exc
+    return [dict(row) for row in ds]
+
+
+def _read_json_lines(file: Path) -> list[dict]:
+    """JSON Lines (or a JSON array), reporting the line number of a malformed line."""
+    import json
+
+    text = file.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"data.path={str(file)!r}: invalid JSON at line {exc.lineno}: {exc.msg}.") from exc
+    else:
+        rows = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UserError(f"data.path={str(file)!r}: line {lineno} is not valid JSON "
+                                f"({exc.msg}): {line[:80]!r}. Fix or remove that line.") from exc
+    if not all(isinstance(r, dict) for r in rows):
+        raise UserError(f"data.path={str(file)!r}: every record must be a JSON object with a prompt field.")
+    return rows
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def format_prompt(prompt: Any, tokenizer, *, system_prompt: str | None, use_chat_template: bool) -> str:
+    """The text the model continues: the chat template when the tokenizer has one (and the
+    config allows), else the plain prompt."""
+    is_chat = isinstance(prompt, list)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if is_chat and not has_template:
+        raise UserError("the dataset's prompts are chat messages but the tokenizer has no chat "
+                        "template; set model.chat_template to a Jinja template, or give plain-text prompts.")
+    if is_chat or (use_chat_template and has_template):
+        messages = list(prompt) if is_chat else [{"role": "user", "content": str(prompt)}]
+        if system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt)
+
+
+def _to_examples(rows: list[dict], tokenizer, *, prompt_column: str, system_prompt: str | None,
+                 use_chat_template: bool, max_prompt_length: int, long_prompts: str,
+                 where: str) -> tuple[list[Example], int, int]:
+    if rows and prompt_column not in rows[0]:
+        raise UserError(f"{where} has no column {prompt_column!r} (columns: {', '.join(rows[0])}); "
+                        f"set data.prompt_column to the column that holds the prompts.")
+    examples, dropped, truncated = [], 0, 0
+    for row in rows:
+        text = format_prompt(row[prompt_column], tokenizer, system_prompt=system_prompt,
+                             use_chat_template=use_chat_template)
+        # A chat template already holds the special tokens the model expects.
+        templated = isinstance(row[prompt_column], list) or (
+            use_chat_template and bool(getattr(tokenizer, "chat_template", None)))
+        ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        if len(ids) > max_prompt_length:
+            if long_prompts == "drop":
+                dropped += 1
+                continue
+            if long_prompts == "error":
+                raise UserError(f"a prompt in {where} has {len(ids)} tokens, over "
+                                f"sampler.max_prompt_length={max_prompt_length}: {str(row[prompt_column])[:80]!r}. "
+                                "Raise the limit or set data.long_prompts=drop.")
+            ids = ids[-max_prompt_length:]  # truncate_left: keep the end, where the question is
+            truncated += 1
+        columns = {k: v for k, v in row.items() if k != prompt_column}
+        examples.append(Example(prompt=row[prompt_column], prompt_ids=ids, columns=columns))
+    return examples, dropped, truncated
+
+
+def load_prompts(*, tokenizer, source: str, path: str | None, subset: str | None, split: str,
+                 eval_split: str | None, eval_size: int, prompt_column: str,
+                 system_prompt: str | None, use_chat_template: bool, long_prompts: str,
+                 max_prompt_length: int, num_examples: int, max_operand: int,
+                 max_multiplier: int, operations: list[str], seed: int) -> PromptData:
+    if source == "arithmetic":
+        train_rows, eval_rows = arithmetic_rows(num_examples, eval_size, max_operand=max_operand,
+                                                max_multiplier=max_multiplier,
+                                                operations=list(operations), seed=seed)
+    else:
+        rows = _load_table(path, subset, split, source)
+        if not rows:
+            raise UserError(f"data.path={path!r} holds no rows; give a dataset with at least one prompt.")
+        if eval_split:
+            train_rows, eval_rows = rows, _load_table(path, subset, eval_split, source)
+        else:
+            shuffled = rows[:]
+            random.Random(seed).shuffle(shuffled)
+            n_eval = min(eval_size, len(shuffled) // 5)  # never more than a fifth of the data
+            train_rows, eval_rows = shuffled[n_eval:], shuffled[:n_eval]
+    kw = dict(prompt_column=prompt_column, system_prompt=system_prompt,
+              use_chat_template=use_chat_template, max_prompt_length=max_prompt_length,
+              long_prompts=long_prompts)
+    train, d1, t1 = _to_examples(train_rows, tokenizer, where=f"data ({source} {path or ''})".strip(), **kw)
+    evals, d2, t2 = _to_examples(eval_rows, tokenizer, where="the eval split", **kw)
+    if not train:
+        raise UserError(f"every training prompt is longer than sampler.max_prompt_length={max_prompt_length} "
+                        f"tokens ({d1} dropped); raise sampler.max_prompt_length or shorten the prompts.")
+    return PromptData(train=train, eval=evals, dropped=d1 + d2, truncated=t1 + t2)
+
+
+# ----------------------------------------------------------------------------- prompt stream
+
+
+@dataclass
+class PromptStream:
+    """Seeded, epoch-aware stream of training examples; its state is two ints, so a resumed run
+    continues with exactly the prompts an uninterrupted run would have seen."""
+
+    examples: list[Example]
+    seed: int
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def _ensure_order(self) -> None:
+        if not self._order:
+            self._order = list(range(len(self.examples)))
+            random.Random(self.seed * 100003 + self.epoch).shuffle(self._order)
+
+    def take(self, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            self._ensure_order()
+            if self.position >= len(self._order):
+                self.epoch, self.position, self._order = self.epoch + 1, 0, []
+                continue
+            out.append(self.examples[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), []

@@ -1,0 +1,57 @@
+"""Held-out evaluation: greedy (default) or sampled completions, scored by the configured rewards."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_cli.data import Example
+from grpo_cli.rewards import score_rewards
+from grpo_cli.rollout import sample
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+    return tokenizer.batch_decode(
+        [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)],
+        skip_special_tokens=True,
+    )
+
+
+def score_examples(rewards, tokenizer, examples: list[Example], rollout, group_size: int):
+    """Rewards of a rollout whose rows are `group_size` completions per example, in order."""
+    texts = decode_completions(tokenizer, rollout.completion_ids, rollout.completion_mask)
+    columns: dict[str, list] = {}
+    for ex in examples:
+        for key, value in ex.columns.items():
+            columns.setdefault(key, []).extend([value] * group_size)
+    prompts = [ex.prompt for ex in examples for _ in range(group_size)]
+    completion_ids = [ids[mask.bool()].tolist() for ids, mask in
+                      zip(rollout.completion_ids, rollout.completion_mask)]
+    total, per_reward = score_rewards(rewards, texts, prompts=prompts, completion_ids=completion_ids,
+                                      columns=columns)
+    return texts, total, per_reward
+
+
+def evaluate(model, tokenizer, examples: list[Example], rewards, *, max_new_tokens: int,
+             temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
+             greedy: bool = True, batch_size: int = 32) -> dict[str, float]:
+    """`eval/reward` (weighted total) and `eval/accuracy` (mean of the accuracy reward, when one
+    is configured) over the examples, one completion each."""
+    was_training = model.training
+    model.eval()
+    totals, accuracy = [], []
+    try:
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            rollout = sample(model, [ex.prompt_ids for ex in chunk], num_generations=1,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, eos_ids=eos_ids, pad_id=pad_id, greedy=greedy)
+            _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout, 1)
+            totals += total
+            if "accuracy" in per_reward:
+                accuracy += [v for v in per_reward["accuracy"] if v is not None]
+    finally:
+        model.train(was_training)
+    out = {"eval/reward": sum(totals) / max(len(totals), 1)}
+    if accuracy:
+        out["eval/accuracy"] = sum(accuracy) / len(accuracy)
+    return out

@@ -1,0 +1,71 @@
+"""Per-token log-probs of completion tokens: the one place the causal shift, padding and
+temperature are handled (ref 000.2, 000.3, 000.4).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left padding shifts where real tokens start; positions count real tokens only (ref 000.3)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+
+
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits).gather(targets) without materialising the [B, T, V] log-prob tensor:
+    logit of the target minus the row's logsumexp, computed row by row in fp32."""
+    out = []
+    for row_logits, row_targets in zip(logits, targets):  # [T, V], [T]
+        row_logits = row_logits.float()
+        picked = row_logits.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)  # [T]
+        out.append(picked - torch.logsumexp(row_logits, dim=-1))
+    return torch.stack(out)  # [B, T]
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, row by row (monitoring only, no gradient)."""
+    out = []
+    for row in logits:  # [T, V]
+        logp = F.log_softmax(row.float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(out)  # [B, T]
+
+
+def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Drop prompt columns that are padding in every row and completion columns past the
+    longest completion: no work on padding beyond the longest sequence."""
+    first = int(prompt_mask.any(0).long().argmax())  # first column with a real token
+    used = int(completion_mask.sum(-1).max().clamp(min=1))
+    return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :used], completion_mask[:, :used]
+
+
+def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                   completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
+                   temperature: float, with_entropy: bool = False):
+    """Log-probs of each completion token under softmax(logits / temperature).
+
+    prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C] are
+    right-padded (mask 1 up to and including EOS). Returns logps [B, C] (and entropy [B, C]).
+    Logits at position t score token t+1 (ref 000.2), so the C completion tokens are scored by
+    the C logits that end one before the sequence does; only those are materialised.
+    """
+    C = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [B, P+C]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=C + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :]  # [B, C, V]: logits[:, i] predicts completion token i
+    # Same tempered distribution the sampler drew from (ref 000.4).
+    logits = logits / temperature
+    logps = selective_logprobs(logits, completion_ids)  # [B, C]
+    if with_entropy:
+        return logps, entropy_from_logits(logits.detach())
+    return logps

@@ -1,0 +1,93 @@
+"""Metrics rows: `metrics.jsonl` in the run folder, a rich progress bar and a compact table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+# Columns of the console table (all of them go to metrics.jsonl).
+TABLE_COLUMNS = ("step", "reward", "reward_std", "frac_reward_zero_std", "kl", "grad_norm",
+                 "completions/mean_length", "clip_ratio/region_mean", "step_time", "eval/accuracy")
+SHORT = {"reward_std": "r_std", "frac_reward_zero_std": "zero_std", "grad_norm": "gnorm",
+         "completions/mean_length": "len", "clip_ratio/region_mean": "clip", "step_time": "s/step",
+         "eval/accuracy": "eval_acc"}
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return "" if value is None else str(value)
+
+
+class MetricsLogger:
+    """Appends one JSON row per logged step; on resume, rows past the resumed step are dropped
+    so the file reads as if the run had never stopped."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int, quiet: bool, table_every: int = 10,
+                 resume_step: int = 0):
+        self.path = run_dir / "metrics.jsonl"
+        self.quiet = quiet
+        self.table_every = table_every
+        self.console = Console(stderr=False, quiet=quiet)
+        self.rows: list[dict] = []
+        if resume_step and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self._pending: list[dict] = []
+        self.progress = Progress(
+            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+            console=self.console, disable=quiet, transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, status="")
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+        return False
+
+    def log(self, row: dict[str, Any]) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" else v)
+                 for k, v in row.items()}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(clean, allow_nan=True) + "\n")
+        self.rows.append(clean)
+        self._pending.append(clean)
+        status = f"reward {clean.get('reward', float('nan')):.3f}  kl {clean.get('kl', float('nan')):.4f}"
+        self.progress.update(self.task, completed=clean["step"], status=status)
+        if len(self._pending) >= self.table_every:
+            self.flush_table()
+
+    def advance(self, step: int) -> None:
+        self.progress.update(self.task, completed=step)
+
+    def flush_table(self) -> None:
+        if not self._pending or self.quiet:
+            self._pending = []
+            return
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for col in TABLE_COLUMNS:
+            table.add_column(SHORT.get(col, col), justify="right")
+        for row in self._pending:
+            table.add_row(*[_fmt(row.get(col)) for col in TABLE_COLUMNS])
+        self.progress.console.print(table)
+        self._pending = []
+
+    def print(self, *args, **kwargs) -> None:
+        self.progress.console.print(*args, **kwargs)
+
+
+def all_finite(row: dict[str, Any]) -> bool:
+    return all(math.isfinite(v) for v in row.values() if isinstance(v, float))

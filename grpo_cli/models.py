@@ -1,0 +1,244 @@
+"""Device, precision, tokenizer, policy and reference model.
+
+Sources: a hub id, a local folder, a GGUF file inside either (`gguf_file`), or `builtin:tiny`
+(a small random-init Llama and a character-level tokenizer, built offline once and cached, then
+loaded through the same `from_pretrained` path as any local folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo_cli.errors import UserError
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def cache_dir() -> Path:
+    """Where grpo-cli keeps built or converted models: $GRPO_CLI_CACHE or ~/.cache/grpo-cli."""
+    root = os.environ.get("GRPO_CLI_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grpo-cli"
+    )
+    return Path(root)
+
+
+# ----------------------------------------------------------------------------- device/precision
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # fp32 | bf16 | fp16
+    autocast_dtype: torch.dtype | None  # None: no autocast
+    use_grad_scaler: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"trainer.device={name!r} but no CUDA GPU is visible to PyTorch "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). Use trainer.device=cpu, "
+            "or run grpo-check-env to see why the GPU is missing."
+        )
+    return device
+
+
+def resolve_precision(name: str, device: torch.device) -> Precision:
+    """Master weights stay fp32; bf16/fp16 run the forward passes under autocast.
+
+    `auto`: bf16 on a GPU that supports it, fp16 with a grad scaler on one that does not, fp32
+    on the CPU (ref 004 self-check). Sampling and training use the same setting, so the
+    sampler's log-probs and the trainer's agree (the step-0 check verifies it).
+    """
+    cuda = device.type == "cuda"
+    bf16_ok = torch.cuda.is_bf16_supported() if cuda else device.type == "cpu"
+    if name == "auto":
+        name = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
+    if name == "fp32":
+        return Precision("fp32", None, False)
+    if name == "bf16":
+        if not bf16_ok:
+            raise UserError(
+                f"trainer.precision=bf16 but {torch.cuda.get_device_name(device)} has no bf16 "
+                "support; use trainer.precision=fp16 (with a grad scaler) or fp32."
+            )
+        return Precision("bf16", torch.bfloat16, False)
+    if name == "fp16":
+        if not cuda:
+            raise UserError(
+                "trainer.precision=fp16 is not supported on the CPU (no fp16 autocast kernels); "
+                "use trainer.precision=fp32, or bf16 on a CPU with AMX/AVX512-bf16."
+            )
+        return Precision("fp16", torch.float16, True)
+    raise UserError(f"trainer.precision={name!r} is not one of auto, fp32, bf16, fp16.")
+
+
+def autocast(device: torch.device, precision: Precision):
+    if precision.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=precision.autocast_dtype)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str  # what from_pretrained receives: a folder or hub id
+    gguf_file: str | None
+    description: str
+
+
+def resolve_source(name_or_path: str, gguf_file: str | None = None) -> ModelSource:
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        name = name_or_path[len(BUILTIN_PREFIX):]
+        if name not in BUILTINS:
+            raise UserError(
+                f"model.name_or_path={name_or_path!r}: no built-in model {name!r}; "
+                f"built-ins are {', '.join(BUILTIN_PREFIX + n for n in BUILTINS)}."
+            )
+        folder = BUILTINS[name]()
+        return ModelSource(str(folder), None, f"built-in {name} model (cached at {folder})")
+    path = Path(name_or_path).expanduser()
+    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local:
+        if not path.is_dir():
+            raise UserError(
+                f"model.name_or_path={name_or_path!r} is not an existing folder. Point it at a folder "
+                "holding config.json and the weights (e.g. one written by save_pretrained), or at a "
+                "hub id such as Qwen/Qwen2.5-0.5B-Instruct."
+            )
+        if gguf_file and not (path / gguf_file).is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            raise UserError(
+                f"model.gguf_file={gguf_file!r} is not in {path}; GGUF files there: "
+                f"{', '.join(ggufs) or 'none'}."
+            )
+        what = f"GGUF file {path / gguf_file}" if gguf_file else f"local folder {path.resolve()}"
+        return ModelSource(str(path), gguf_file, what)
+    return ModelSource(name_or_path, gguf_file, f"hub model {name_or_path}")
+
+
+def _offline_hint(source: ModelSource, exc: Exception) -> UserError:
+    return UserError(
+        f"could not load {source.description}: {type(exc).__name__}: {str(exc).splitlines()[0][:300].rstrip('.')}. "
+        "If this machine cannot reach the Hugging Face Hub, download the model elsewhere "
+        "(huggingface-cli download <id> --local-dir DIR), copy it here, and point "
+        "model.name_or_path=DIR at that folder."
+    )
+
+
+def load_tokenizer(source: ModelSource, *, revision: str | None = None,
+                   trust_remote_code: bool = False, chat_template: str | None = None,
+                   tokenizer_path: str | None = None):
+    from transformers import AutoTokenizer
+
+    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code)
+    try:
+        if tokenizer_path:
+            tok = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
+        else:
+            tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _offline_hint(source, exc) from exc
+    # Left padding: prompts end where generation starts, so a batch's new tokens line up.
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        # Fallback: reuse EOS as padding. Completion masks come from the sampled tokens (up to
+        # and including the first EOS), never from the pad id, so this is safe.
+        tok.pad_token = tok.eos_token
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
+
+
+def load_model(source: ModelSource, *, device: torch.device, revision: str | None = None,
+               trust_remote_code: bool = False, gradient_checkpointing: bool = False,
+               trainable: bool = True):
+    """fp32 master weights on `device`; the reference model (trainable=False) is frozen, eval."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    else:
+        kwargs["use_safetensors"] = True  # never unpickle .bin weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _offline_hint(source, exc) from exc
+    model.to(device)
+    if trainable:
+        model.train()
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    # Dropout would make the sampler's and trainer's log-probs disagree; GRPO trains without it.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+# ----------------------------------------------------------------------------- built-in tiny
+
+TINY_VERSION = "v1"
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tiny(folder: Path | None = None) -> Path:
+    """A ~0.2M-parameter Llama with a character-level tokenizer, built offline and cached."""
+    folder = folder or cache_dir() / f"tiny-{TINY_VERSION}"
+    if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(1234)
+        model = LlamaForCausalLM(config)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process built it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+BUILTINS = {"tiny": build_tiny}

@@ -1,0 +1,145 @@
+"""Rollouts: G completions per prompt, their masks, and the sampler's log-probs.
+
+A lean decode loop over the model's own KV cache (transformers' DynamicCache) instead of
+`generate`: the sampling distribution is exactly softmax(logits / temperature) with top-k then
+top-p truncation and nothing else (no warpers hidden in a model's generation_config), each
+sampled token's log-prob under the tempered distribution is recorded as it is drawn (no
+[N, C, V] buffer of logits), and finished rows stop costing anything but a padded token.
+Tests check that greedy decoding matches `generate` token for token and that sampling draws the
+same tokens as `generate` under the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo_cli.logprobs import position_ids_from_mask
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # [N, P] left-padded, N = prompts * G, one group's rows consecutive
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, C] right-padded with pad_id after EOS
+    completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
+    truncated: torch.Tensor  # [N] bool: no EOS within max_new_tokens
+    sampler_logps: torch.Tensor  # [N, C] fp32 log-probs of the sampled tokens, tempered
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)  # [N]
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then top-p (nucleus) truncation, in the order and with the tie rules of
+    transformers' TopKLogitsWarper and TopPLogitsWarper. logits: [N, V] already tempered."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)  # [N, V]
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False  # keep at least the most likely token
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tokens: int,
+           temperature: float, top_p: float = 1.0, top_k: int = 0, eos_ids: list[int],
+           pad_id: int, greedy: bool = False, generator: torch.Generator | None = None) -> Rollout:
+    """`num_generations` completions of each prompt (token ids), rows grouped by prompt."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)  # [B, P]
+    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    N = prompt_ids.shape[0]
+    eos = torch.tensor(sorted(set(eos_ids)), device=device)
+
+    attention_mask = prompt_mask
+    position_ids = position_ids_from_mask(attention_mask)
+    cache = DynamicCache()
+    out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens, logps = [], []
+    finished = torch.zeros(N, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1, :].float() / temperature  # [N, V]
+        if greedy:
+            token = logits.argmax(-1)  # [N]
+        else:
+            probs = filter_logits(logits, top_k, top_p).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
+        # Log-prob under the tempered, untruncated distribution: the one the trainer scores
+        # (logprobs.token_logprobs), so ratio == 1 before any update (ref 000.1, 000.4).
+        logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
+        token = token.masked_fill(finished, pad_id)
+        tokens.append(token)
+        logps.append(logp.masked_fill(finished, 0.0))
+        finished = finished | torch.isin(token, eos)
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+        out = model(input_ids=token[:, None], attention_mask=attention_mask,
+                    position_ids=position_ids, past_key_values=cache, use_cache=True)
+
+    completion_ids = torch.stack(tokens, dim=1)  # [N, C]
+    is_eos = torch.isin(completion_ids, eos)  # [N, C]
+    C = completion_ids.shape[1]
+    # Index of the first EOS (C when none): tokens up to and including it are the completion.
+    first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long))
+    completion_mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long()
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids.masked_fill(completion_mask == 0, pad_id),
+        completion_mask=completion_mask,
+        truncated=~is_eos.any(-1),
+        sampler_logps=torch.stack(logps, dim=1) * completion_mask,
+    )
+
+
+def select(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+    """The given rows (index tensor [n]) of a rollout."""
+    return Rollout(*(getattr(rollout, f)[rows] for f in Rollout.__dataclass_fields__))
+
+
+def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """Stack rollouts of different widths: prompts stay left-padded, completions right-padded."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    C = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def pad(t, width, value, left):
+        extra = width - t.shape[1]
+        if extra == 0:
+            return t
+        return F.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_id, True) for r in rollouts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, True) for r in rollouts]),
+        completion_ids=torch.cat([pad(r.completion_ids, C, pad_id, False) for r in rollouts]),
+        completion_mask=torch.cat([pad(r.completion_mask, C, 0, False) for r in rollouts]),
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        sampler_logps=torch.cat([pad(r.sampler_logps, C, 0.0, False) for r in rollouts]),
+    )

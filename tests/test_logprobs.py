@@ -1,0 +1,173 @@
+"""Log-probs and rollouts on the built-in tiny model (ref 000.2 shift, 000.3 padding, 000.4
+temperature, 000.1 sampler log-probs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo_cli.logprobs import token_logprobs, trim_padding
+from grpo_cli.models import load_model, load_tokenizer, resolve_source
+from grpo_cli.rollout import filter_logits, left_pad, sample
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    src = resolve_source("builtin:tiny")
+    tok = load_tokenizer(src)
+    model = load_model(src, device=torch.device("cpu"))
+    # The cached tiny model is random-init with small weights; sharpen it so the distribution is
+    # far from uniform and mistakes (shift, temperature) change the numbers visibly.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)
+    model.eval()
+    return model, tok
+
+
+def slow_reference(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """One unpadded sequence, full log_softmax, explicit shift: the textbook computation."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0].float() / temperature  # [L, V]
+    logp = F.log_softmax(logits[:-1], dim=-1)  # position t predicts token t+1
+    targets = ids[0, 1:]
+    return logp.gather(-1, targets[:, None]).squeeze(-1)[-len(completion):]
+
+
+def batch_of(tok, prompts, completions):
+    p_ids, p_mask = left_pad(prompts, tok.pad_token_id, "cpu")
+    C = max(len(c) for c in completions)
+    c_ids = torch.full((len(completions), C), tok.pad_token_id)
+    c_mask = torch.zeros((len(completions), C), dtype=torch.long)
+    for i, c in enumerate(completions):
+        c_ids[i, :len(c)] = torch.tensor(c)
+        c_mask[i, :len(c)] = 1
+    return p_ids, p_mask, c_ids, c_mask
+
+
+PROMPTS = ["What is 2 plus 3?", "Hi", "A much longer prompt that forces left padding on the others."]
+COMPLETIONS = ["5", "Hello there", "ok then"]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
+def test_batched_logprobs_equal_slow_one_at_a_time_reference(tiny, temperature):
+    model, tok = tiny
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    completions = [tok(c, add_special_tokens=False)["input_ids"] for c in COMPLETIONS]
+    logps = token_logprobs(model, *batch_of(tok, prompts, completions), temperature=temperature)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        expected = slow_reference(model, p, c, temperature)
+        torch.testing.assert_close(logps[i, :len(c)], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_logprobs_do_not_change_when_batched_with_longer_sequences(tiny):
+    model, tok = tiny
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    completions = [tok(c, add_special_tokens=False)["input_ids"] for c in COMPLETIONS]
+    alone = token_logprobs(model, *batch_of(tok, prompts[:1], completions[:1]), temperature=1.0)
+    together = token_logprobs(model, *batch_of(tok, prompts, completions), temperature=1.0)
+    n = len(completions[0])
+    torch.testing.assert_close(together[0, :n], alone[0, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_temperature_is_honoured(tiny):
+    model, tok = tiny
+    batch = batch_of(tok, [tok(PROMPTS[0])["input_ids"]], [tok("12345", add_special_tokens=False)["input_ids"]])
+    cold = token_logprobs(model, *batch, temperature=0.5)
+    warm = token_logprobs(model, *batch, temperature=1.0)
+    assert (cold - warm).abs().max() > 1e-2
+
+
+def test_trim_padding_drops_all_pad_columns_only(tiny):
+    _, tok = tiny
+    p_ids, p_mask, c_ids, c_mask = batch_of(tok, [[5, 6], [7, 8, 9]], [[1], [2, 3]])
+    p_ids = torch.cat([torch.full((2, 3), tok.pad_token_id), p_ids], 1)  # 3 extra pad columns
+    p_mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), p_mask], 1)
+    c_ids = torch.cat([c_ids, torch.full((2, 4), tok.pad_token_id)], 1)
+    c_mask = torch.cat([c_mask, torch.zeros(2, 4, dtype=torch.long)], 1)
+    tp, tm, tc, tcm = trim_padding(p_ids, p_mask, c_ids, c_mask)
+    assert tp.shape == (2, 3) and tc.shape == (2, 2)
+    assert tm.sum() == p_mask.sum() and tcm.sum() == c_mask.sum()
+
+
+def test_greedy_rollout_matches_generate(tiny):
+    model, tok = tiny
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    r = sample(model, prompts, num_generations=1, max_new_tokens=10, temperature=1.0, greedy=True,
+               eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    ids, mask = left_pad(prompts, tok.pad_token_id, "cpu")
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+    torch.testing.assert_close(r.completion_ids[:, :ref.shape[1]], ref)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.3, 5, 1.0)])
+def test_sampling_draws_the_same_tokens_as_generate_under_the_same_seed(tiny, temperature, top_k, top_p):
+    """Same distribution as generate: with the same seed the very same tokens are drawn."""
+    model, tok = tiny
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    torch.manual_seed(123)
+    r = sample(model, prompts, num_generations=4, max_new_tokens=12, temperature=temperature,
+               top_k=top_k, top_p=top_p, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    ids, mask = left_pad(prompts, tok.pad_token_id, "cpu")
+    torch.manual_seed(123)
+    ref = model.generate(input_ids=ids.repeat_interleave(4, 0), attention_mask=mask.repeat_interleave(4, 0),
+                         do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                         max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+    ours = r.completion_ids[:, :ref.shape[1]]
+    torch.testing.assert_close(ours[r.completion_mask[:, :ref.shape[1]].bool()],
+                               ref[r.completion_mask[:, :ref.shape[1]].bool()])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampler_logprobs_equal_trainer_logprobs(tiny, temperature):
+    """Before any update the ratio is 1: old log-probs (sampler) == trainer's (ref 000.1, 000.4)."""
+    model, tok = tiny
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    torch.manual_seed(0)
+    r = sample(model, prompts, num_generations=2, max_new_tokens=8, temperature=temperature, top_k=10,
+               eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    logps = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                           temperature=temperature)
+    valid = r.completion_mask.bool()
+    assert valid.sum() > 0
+    torch.testing.assert_close(logps[valid], r.sampler_logps[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_completion_mask_stops_after_first_eos_and_flags_truncation():
+    """A toy model that emits EOS at a chosen step per row: mask covers tokens up to and
+    including the first EOS; rows without EOS are truncated."""
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.calls = 0
+
+        def forward(self, input_ids, past_key_values=None, **kw):
+            from types import SimpleNamespace
+            V, eos = 10, 9
+            n, L = input_ids.shape
+            logits = torch.full((n, 1, V), -1e4)
+            # row 0 emits EOS at step 1, row 1 never; other tokens: 3
+            step = self.calls
+            self.calls += 1
+            tok = torch.tensor([eos if step == 1 else 3, 3])
+            logits[torch.arange(n), 0, tok] = 0.0
+            return SimpleNamespace(logits=logits)
+
+    r = sample(Toy(), [[1, 2], [1]], num_generations=1, max_new_tokens=4, temperature=1.0,
+               greedy=True, eos_ids=[9], pad_id=0)
+    assert r.completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert r.truncated.tolist() == [False, True]
+    assert r.completion_ids[0].tolist() == [3, 9, 0, 0]
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, 2, 1.0)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, 0, 0.7)).tolist() == [[False, False, True, True]]
+    assert not torch.isinf(filter_logits(logits, 0, 1.0)).any()
