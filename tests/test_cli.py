@@ -75,3 +75,28 @@ def test_multirun_composes_two_jobs(tmp_path):
     betas = sorted(yaml.safe_load((sweep / str(i) / "config.yaml").read_text())["loss"]["beta"]
                    for i in range(2))
     assert betas == [0.0, 0.04]
+
+
+def test_reward_test_prints_a_table_of_each_reward(tmp_path):
+    res = run_cli([console_script("grpo-reward-test"), "reward=[accuracy,format]", "-c", "47",
+                   "-c", "47 or 48", "-c", "470", "--column", "answer=47"], cwd=tmp_path,
+                  env={"COLUMNS": "150"})
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stdout.splitlines() if "'47'" in line or "'470'" in line or "or 48" in line]
+    cells = [[c.strip() for c in line.split("│") if c.strip()] for line in lines]
+    assert cells[0][-3:] == ["1", "0.2", "1.2"]  # right answer, short with a number
+    assert cells[1][-3:] == ["0", "0.2", "0.2"]  # two different answers: strict accuracy gives 0
+    assert cells[2][-3:] == ["0", "0.2", "0.2"]  # 470 is not 47
+
+
+def test_reward_test_reads_a_file_and_reports_unknown_rewards(tmp_path):
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text('{"completion": "\\\\boxed{3/4}", "answer": "0.75"}\n')
+    res = run_cli([console_script("grpo-reward-test"), "reward=[accuracy]", "--file", str(cases)],
+                  cwd=tmp_path, env={"COLUMNS": "150"})
+    assert res.returncode == 0, res.stderr
+    row = next(line for line in res.stdout.splitlines() if "boxed" in line)
+    assert [c.strip() for c in row.split("│") if c.strip()][-2:] == ["1", "1"]  # 3/4 == 0.75
+    res = run_cli([console_script("grpo-reward-test"), "reward=[nope]", "-c", "1"], cwd=tmp_path)
+    assert res.returncode == 2 and "accuracy, format, length" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -1,0 +1,134 @@
+"""`grpo-reward-test`: run the configured rewards on a few completions and print a table, to
+check a reward before spending compute on training.
+
+    grpo-reward-test 'reward=[accuracy,format]' -c "47" -c "47 or 48" --column answer=47
+    grpo-reward-test 'reward=[accuracy]' --file cases.jsonl     # {"completion": ..., "answer": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from grpo_cli.errors import UserError, report_and_exit
+
+
+def _parse_columns(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise UserError(f"--column {pair!r} must look like NAME=VALUE, e.g. --column answer=47.")
+        key, value = pair.split("=", 1)
+        out[key] = value
+    return out
+
+
+def _read_cases(path: str) -> list[dict]:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--file {path!r} does not exist; give a JSON Lines file with a "
+                        "`completion` field per line (other fields become dataset columns).")
+    cases = []
+    for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            case = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--file {path!r}: line {lineno} is not valid JSON ({exc.msg}).") from exc
+        if not isinstance(case, dict) or "completion" not in case:
+            raise UserError(f"--file {path!r}: line {lineno} needs a `completion` field.")
+        cases.append(case)
+    return cases
+
+
+def compose_reward_config(overrides: list[str], config_dir: str | None):
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    import grpo_cli.train  # noqa: F401  registers the schema and resolvers
+
+    try:
+        if config_dir:
+            # A user folder extends the shipped one: compose from it with the package on the search path.
+            overrides = overrides + [f"hydra.searchpath=[pkg://grpo_cli.conf]"]
+            ctx = initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3")
+        else:
+            ctx = initialize_config_module(config_module="grpo_cli.conf", version_base="1.3")
+        with ctx:
+            cfg = compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        message = str(exc).strip().split("\n")[0]
+        if "reward/" in message:
+            from grpo_cli.rewards import REGISTRY
+
+            message += (f" Built-in rewards: {', '.join(REGISTRY)}; add your own with "
+                        "+reward.NAME.fn=package.module:function.")
+        raise UserError(message) from exc
+    return OmegaConf.to_container(cfg.reward, resolve=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpo-reward-test", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. 'reward=[accuracy,format]'")
+    parser.add_argument("-c", "--completion", action="append", default=[], help="a completion to score (repeatable)")
+    parser.add_argument("--column", action="append", default=[],
+                        help="a dataset column for every completion, NAME=VALUE (repeatable)")
+    parser.add_argument("--file", help="JSON Lines: one {\"completion\": ..., <columns>...} per line")
+    parser.add_argument("--prompt", default="", help="the prompt passed to the rewards")
+    parser.add_argument("--tokenizer", help="model folder, hub id or builtin:tiny, for token-based rewards")
+    parser.add_argument("--config-dir", help="a folder of your own config groups (as grpo-train's)")
+    args = parser.parse_args(argv)
+    try:
+        from grpo_cli.rewards import build_rewards, score_rewards
+
+        cases = [{"completion": c} for c in args.completion]
+        if args.file:
+            cases += _read_cases(args.file)
+        if not cases:
+            raise UserError("no completions given; pass -c TEXT (repeatable) or --file cases.jsonl.")
+        shared = _parse_columns(args.column)
+        rows = [{**shared, **case} for case in cases]
+        keys = sorted({k for row in rows for k in row} - {"completion"})
+        missing = [k for k in keys if any(k not in row for row in rows)]
+        if missing:
+            raise UserError(f"columns {missing} are set for some completions but not all; give them "
+                            "on every line or with --column.")
+        specs = build_rewards(compose_reward_config(args.overrides, args.config_dir))
+        completions = [row["completion"] for row in rows]
+        completion_ids = None
+        if args.tokenizer:
+            from grpo_cli.models import load_tokenizer, resolve_source
+
+            tok = load_tokenizer(resolve_source(args.tokenizer))
+            completion_ids = [tok(c if isinstance(c, str) else str(c), add_special_tokens=False)["input_ids"]
+                              for c in completions]
+        totals, per_reward = score_rewards(
+            specs, completions, prompts=[args.prompt] * len(rows), completion_ids=completion_ids,
+            columns={k: [row[k] for row in rows] for k in keys})
+    except UserError as exc:
+        report_and_exit("grpo-reward-test", [str(exc)])
+    table = Table(title="rewards", header_style="bold")
+    table.add_column("#", justify="right")
+    table.add_column("completion", overflow="fold", max_width=48)
+    for key in keys:
+        table.add_column(key)
+    for spec in specs:
+        table.add_column(f"{spec.name} (x{spec.weight:g})", justify="right")
+    table.add_column("total", justify="right", style="bold")
+    for i, row in enumerate(rows):
+        values = ["None" if per_reward[s.name][i] is None else f"{per_reward[s.name][i]:.4g}" for s in specs]
+        table.add_row(str(i), repr(row["completion"]), *[str(row[k]) for k in keys], *values, f"{totals[i]:.4g}")
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
