@@ -1,0 +1,117 @@
+"""Data loading: the arithmetic generator, local files, chat prompts, long prompts, streaming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo_cli.data import PromptStream, arithmetic_rows, load_prompts
+from grpo_cli.errors import UserError
+from grpo_cli.models import load_tokenizer, resolve_source
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_source("builtin:tiny"))
+
+
+def load(tok, **overrides):
+    kw = dict(tokenizer=tok, source="arithmetic", path=None, subset=None, split="train", eval_split=None,
+              eval_size=10, prompt_column="prompt", system_prompt=None, use_chat_template=True,
+              long_prompts="drop", max_prompt_length=256, num_examples=50, max_operand=99,
+              max_multiplier=12, operations=["+", "-", "*"], seed=0)
+    kw.update(overrides)
+    return load_prompts(**kw)
+
+
+def test_arithmetic_is_seeded_unique_and_eval_never_in_train():
+    train, evals = arithmetic_rows(300, 50, max_operand=30, max_multiplier=12, operations=["+", "-", "*"], seed=3)
+    again, _ = arithmetic_rows(300, 50, max_operand=30, max_multiplier=12, operations=["+", "-", "*"], seed=3)
+    assert train == again and len(train) == 300 and len(evals) == 50
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+    row = train[0]
+    a, word, b = row["prompt"].split("?")[0].split()[2:5]
+    expected = {"plus": int(a) + int(b), "minus": int(a) - int(b), "times": int(a) * int(b)}[word]
+    assert row["answer"] == str(expected)
+
+
+def test_arithmetic_rejects_impossible_requests():
+    with pytest.raises(UserError, match="distinct"):
+        arithmetic_rows(1000, 10, max_operand=3, max_multiplier=3, operations=["+"], seed=0)
+    with pytest.raises(UserError, match="data.operations"):
+        arithmetic_rows(10, 1, max_operand=9, max_multiplier=9, operations=["/"], seed=0)
+
+
+def test_jsonl_with_chat_prompts_and_extra_columns(tok, tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "level": i % 3} for i in range(20)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = load(tok, source="file", path=str(path), eval_size=4)
+    assert len(data.train) == 16 and len(data.eval) == 4
+    ex = data.train[0]
+    assert set(ex.columns) == {"answer", "level"}
+    text = tok.decode(ex.prompt_ids)
+    assert text.startswith("<|user|>q") and text.endswith("<|assistant|>")  # chat template applied
+
+
+@pytest.mark.parametrize("suffix", ["csv", "parquet", "json"])
+def test_other_local_formats(tok, tmp_path, suffix):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"prompt": f"What is {i}?", "answer": str(i)} for i in range(10)])
+    path = tmp_path / f"d.{suffix}"
+    {"csv": ds.to_csv, "parquet": ds.to_parquet, "json": ds.to_json}[suffix](str(path))
+    data = load(tok, source="file", path=str(path), eval_size=2)
+    assert len(data.train) + len(data.eval) == 10
+    assert all("answer" in ex.columns for ex in data.train)
+
+
+def test_malformed_jsonl_line_is_named(tok, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n')
+    with pytest.raises(UserError, match="line 2"):
+        load(tok, source="file", path=str(path))
+
+
+def test_missing_file_and_missing_column(tok, tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load(tok, source="file", path=str(tmp_path / "nope.jsonl"))
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "a", "answer": "1"}\n' * 6)
+    with pytest.raises(UserError, match="prompt_column"):
+        load(tok, source="file", path=str(path))
+
+
+@pytest.mark.parametrize("rule", ["drop", "truncate_left", "error"])
+def test_long_prompt_rules(tok, tmp_path, rule):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "x" * (5 if i % 2 else 200), "answer": "1"} for i in range(10)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    if rule == "error":
+        with pytest.raises(UserError, match="max_prompt_length"):
+            load(tok, source="file", path=str(path), long_prompts=rule, max_prompt_length=50, eval_size=0)
+        return
+    data = load(tok, source="file", path=str(path), long_prompts=rule, max_prompt_length=50, eval_size=0)
+    if rule == "drop":
+        assert len(data.train) == 5 and data.dropped == 5
+    else:
+        assert len(data.train) == 10 and data.truncated == 5
+        assert max(len(ex.prompt_ids) for ex in data.train) == 50
+
+
+def test_all_prompts_too_long_is_a_clear_error(tok):
+    with pytest.raises(UserError, match="every training prompt is longer"):
+        load(tok, max_prompt_length=3)
+
+
+def test_prompt_stream_epochs_and_exact_resume(tok):
+    data = load(tok, num_examples=7, eval_size=0)
+    stream = PromptStream(data.train, seed=1)
+    first = [ex.prompt for ex in stream.take(10)]  # crosses into epoch 1
+    assert stream.epoch == 1 and sorted(first[:7]) == sorted(ex.prompt for ex in data.train)
+    state = stream.state()
+    rest = [ex.prompt for ex in stream.take(5)]
+    resumed = PromptStream(data.train, seed=1)
+    resumed.load_state(state)
+    assert [ex.prompt for ex in resumed.take(5)] == rest
