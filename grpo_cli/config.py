@@ -106,6 +106,7 @@ class TrainerConfig:
     logging_steps: int = 1
     save_steps: int = 50
     eval_steps: int = 0  # 0: evaluate only at the end
+    eval_before: bool = False  # also evaluate before the first step, to print before/after
     seed: int = 0
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     gradient_checkpointing: bool = False

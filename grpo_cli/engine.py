@@ -122,6 +122,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         logging_steps=t.logging_steps, save_steps=t.save_steps, eval_steps=t.eval_steps,
         keep_last=t.keep_last, dynamic_sampling=t.dynamic_sampling,
         max_sampling_tries=t.max_sampling_tries, self_check=t.self_check and not resume_from,
+        eval_before=t.eval_before and not resume_from,
         quiet=t.quiet,
     )
 
@@ -135,7 +136,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
           mask_truncated_completions: bool, prompts_per_step: int, gradient_accumulation_steps: int,
           num_iterations: int, max_grad_norm: float, logging_steps: int, save_steps: int,
           eval_steps: int, keep_last: int, dynamic_sampling: bool, max_sampling_tries: int,
-          self_check: bool, quiet: bool) -> dict[str, Any]:
+          self_check: bool, quiet: bool, eval_before: bool = False) -> dict[str, Any]:
     G = sampling["num_generations"]
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(tokenizer, policy)
@@ -157,7 +158,11 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                             top_k=sampling["top_k"], eos_ids=eos_ids, pad_id=pad_id, greedy=True)
 
     log = MetricsLogger(run_dir, total_steps=total_steps, quiet=quiet, resume_step=start_step)
+    before: dict[str, float] = {}
     with log, stop:
+        if eval_before and eval_examples:
+            before = run_eval()
+            log.log({"step": 0, **before})
         for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
 
@@ -323,6 +328,11 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
         path = save(total_steps)
         log.flush_table()
         log.print(f"done: {total_steps} steps; final checkpoint {path}; metrics in {run_dir / 'metrics.jsonl'}")
+        for key in ("eval/accuracy", "eval/reward"):
+            if key in before and key in last_row:
+                log.print(f"held-out {key.split('/')[1]} ({len(eval_examples)} prompts, greedy): "
+                          f"before {before[key]:.3f} -> after {last_row[key]:.3f} "
+                          f"({last_row[key] - before[key]:+.3f})")
     return last_row
 
 

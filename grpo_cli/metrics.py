@@ -65,8 +65,9 @@ class MetricsLogger:
             fh.write(json.dumps(clean, allow_nan=True) + "\n")
         self.rows.append(clean)
         self._pending.append(clean)
-        status = f"reward {clean.get('reward', float('nan')):.3f}  kl {clean.get('kl', float('nan')):.4f}"
-        self.progress.update(self.task, completed=clean["step"], status=status)
+        if "reward" in clean:
+            status = f"reward {clean['reward']:.3f}  kl {clean.get('kl', float('nan')):.4f}"
+            self.progress.update(self.task, completed=clean["step"], status=status)
         if len(self._pending) >= self.table_every:
             self.flush_table()
 
