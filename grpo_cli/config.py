@@ -257,6 +257,16 @@ def validate(cfg: Any) -> list[str]:
             f"data.source={cfg.data.source} needs data.path (a local json/jsonl/csv/parquet file "
             "or a hub dataset name)."
         )
+    d = cfg.data
+    if d.source == "arithmetic" and d.max_operand >= 1 and d.max_multiplier >= 0:
+        from grpo_cli.data import arithmetic_space
+
+        space = arithmetic_space(d.max_operand, d.max_multiplier, list(d.operations))
+        if space is not None and d.num_examples + d.eval_size > space:
+            problems.append(
+                f"data.num_examples + data.eval_size = {d.num_examples + d.eval_size} exceeds the {space} "
+                f"distinct problems that data.max_operand={d.max_operand}, data.max_multiplier="
+                f"{d.max_multiplier} and data.operations allow; raise max_operand or ask for fewer examples.")
     if not str(cfg.model.name_or_path).strip():
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
 

@@ -35,6 +35,14 @@ class PromptData:
 # ----------------------------------------------------------------------------- raw rows
 
 
+def arithmetic_space(max_operand: int, max_multiplier: int, operations: list[str]) -> int | None:
+    """How many distinct problems the generator can make (None for unknown operations)."""
+    if not operations or any(op not in OP_WORDS for op in operations):
+        return None
+    return sum((max_operand + 1) * ((max_multiplier if op == "*" else max_operand) + 1)
+               for op in set(operations))
+
+
 def arithmetic_rows(num_examples: int, eval_size: int, *, max_operand: int, max_multiplier: int,
                     operations: list[str], seed: int) -> tuple[list[dict], list[dict]]:
     """Unique "What is a plus b?" problems; the eval rows never appear in the training rows."""
@@ -43,8 +51,7 @@ def arithmetic_rows(num_examples: int, eval_size: int, *, max_operand: int, max_
         raise UserError(f"data.operations={list(operations)} must be a non-empty list drawn from "
                         f"{list(OP_WORDS)}.")
     rng = random.Random(seed)
-    space = sum((max_operand + 1) * ((max_multiplier if op == "*" else max_operand) + 1)
-                for op in set(operations))
+    space = arithmetic_space(max_operand, max_multiplier, list(operations))
     want = num_examples + eval_size
     if want > space:
         raise UserError(f"data.num_examples + data.eval_size = {want} exceeds the {space} distinct "

@@ -78,6 +78,7 @@ VALIDATION_CASES = [
     (["optimizer.lr_scheduler=step"], "optimizer.lr_scheduler='step'", "constant, linear, cosine"),
     (["optimizer.learning_rate=0"], "optimizer.learning_rate=0", "> 0"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'", "fp32"),
+    (["data.max_operand=3", "data.num_examples=1000"], "1200 exceeds", "raise max_operand"),
     (["data=jsonl"], "data.path", "needs data.path"),
     (["reward.accuracy.weight=heavy"], "reward.accuracy.weight", "'heavy'"),
     (["reward.accuracy.extract=bogus"], "bogus", "last_number"),
