@@ -115,3 +115,35 @@ def test_prompt_stream_epochs_and_exact_resume(tok):
     resumed = PromptStream(data.train, seed=1)
     resumed.load_state(state)
     assert [ex.prompt for ex in resumed.take(5)] == rest
+
+
+def test_gsm8k_preset_on_a_local_file_in_the_same_format(compose, tmp_path):
+    """The hub preset, pointed at a local file with gsm8k's columns, loads and scores unchanged."""
+    from omegaconf import OmegaConf
+
+    from grpo_cli.config import validate
+    from grpo_cli.rewards import build_rewards, score_rewards
+
+    rows = [{"question": f"Natalia sold {n} clips in April and half as many in May. How many in total?",
+             "answer": f"Natalia sold {n}/2 = <<{n}/2={n // 2}>>{n // 2} clips in May.\n#### {n + n // 2}"}
+            for n in range(2, 42, 2)]
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = compose(["data=gsm8k", "data.source=file", f"data.path={path}", "data.eval_split=null",
+                   "reward=[accuracy]"])
+    assert validate(cfg) == []
+    d = cfg.data
+    data = load_prompts(tokenizer=load_tokenizer(resolve_source("builtin:tiny")), source=d.source, path=d.path,
+                        subset=d.subset, split=d.split, eval_split=d.eval_split, eval_size=d.eval_size,
+                        prompt_column=d.prompt_column, system_prompt=d.system_prompt,
+                        use_chat_template=d.use_chat_template, long_prompts=d.long_prompts,
+                        max_prompt_length=512, num_examples=0, max_operand=1, max_multiplier=1,
+                        operations=["+"], seed=0)
+    assert len(data.train) + len(data.eval) == 20
+    ex = data.train[0]
+    total = int(ex.columns["answer"].split("#### ")[1])
+    specs = build_rewards(OmegaConf.to_container(cfg.reward))
+    _, per = score_rewards(specs, [f"So the total is {total}. The answer is {total}.", "The answer is 1."],
+                           prompts=[ex.prompt] * 2, completion_ids=None,
+                           columns={"answer": [ex.columns["answer"]] * 2})
+    assert per["accuracy"] == [1.0, 0.0]
