@@ -102,6 +102,14 @@ ACCURACY_CASES = [
     ("The answer is 47,48", "47", {}, 0.0),  # comma list is not 47
     ("Adding 12 and 35 gives 47", "47", {}, 0.0),  # no answer statement: every number counts (documented)
     ("Adding 12 and 35 gives 47", "47", {"strict": False}, 1.0),  # ... fine without strict
+    ("13 - 1", "12", {}, 0.0),  # restating the question as an expression (seen in training)
+    ("4 * 4", "16", {}, 0.0),  # same, times
+    ("9 - 15", "-6", {}, 0.0),  # same, negative result
+    ("13 - 1", "12", {"strict": False}, 1.0),  # ... which math-verify alone evaluates and accepts
+    ("13 - 1 = 12", "12", {}, 1.0),  # a computation that then states the value is fine
+    ("\\boxed{13-1}", "12", {"extract": "boxed"}, 0.0),  # a boxed computation is not a value
+    ("<answer>9 - 15</answer>", "-6", {"extract": "answer_tag"}, 0.0),  # nor a tagged one
+    ("<answer>-6</answer>", "-6", {"extract": "answer_tag"}, 1.0),  # a negative value is a value
     # --- boxed mode
     ("so $\\boxed{47}$", "47", {"extract": "boxed"}, 1.0),  # boxed answer
     ("\\boxed{\\frac{1}{2}}", "0.5", {"extract": "boxed"}, 1.0),  # boxed fraction

@@ -127,7 +127,8 @@ def iter_numbers(text: str):
             before_minus = text[: start - 1].rstrip()
             prev_char = before_minus[-1:] if before_minus else ""
             glued = start >= 2 and (text[start - 2].isalnum() or text[start - 2] in "_)]")
-            if not glued and not (prev_char.isdigit() or prev_char in ")]"):
+            # ("" in ")]" is True in Python: test for an empty prefix first.)
+            if not glued and not (prev_char.isdigit() or (prev_char != "" and prev_char in ")]")):
                 start -= 1
                 literal = "-" + literal
         before = text[:start].rstrip()

@@ -220,6 +220,11 @@ _STATEMENT_RE = re.compile(
 )
 # Any mention of the answer ("... so that is my answer.").
 _ANCHOR_RE = re.compile(r"(?i:\banswer\b)|答案")
+# An unevaluated computation between numbers ("13 - 1", "4 * 4", "9 \\times 3"): math-verify
+# would evaluate it and call it equal to the gold, so a policy learns to restate the question
+# as an expression instead of answering it (seen in training: "What is 13 minus 1?" -> "13 - 1").
+# A fraction a/b is a value, not a computation, and stays allowed.
+_UNEVALUATED_RE = re.compile(r"\d\s*(?:[-+*×·÷^]|\\times|\\cdot|\\div)\s*[-(]?\s*\d")
 _BLANK = " ; "
 
 
@@ -315,6 +320,11 @@ def _score_one(text: str, gold: tuple, extract: str, strict: bool, timeout: int 
             return 0.0  # "12 - 13 - 14": the last number is an operand, not an answer
         pick = ("number", literal)
         candidates = _answer_regions_candidates(text) if strict else []
+    if strict:
+        if extract == "auto" and not candidates:
+            return 0.0  # no value is stated: "13 - 1" restates the question as an expression
+        if pick[0] != "number" and _UNEVALUATED_RE.search(pick[1]) and extract != "auto":
+            return 0.0  # "\\boxed{13-1}": the stated answer is a computation, not a value
     if not _matches(gold, *pick, timeout):
         return 0.0
     if strict:
