@@ -1,10 +1,17 @@
-"""Checkpoints: written to a temporary folder and renamed into place, so a crash never leaves a
-half-written checkpoint that looks complete; resume; keep-last rotation.
+"""Checkpoints: written to a temporary folder and renamed into place, so a crash (SIGKILL, power
+loss, full disk) never leaves a half-written checkpoint that looks complete; resume; keep-last
+rotation.
 
 Layout of `<run>/checkpoints/step-000050/`: the model (safetensors) and tokenizer as
 `save_pretrained` writes them (loadable with AutoModelForCausalLM.from_pretrained),
-`optimizer.pt`, `scheduler.pt`, `trainer_state.pt` (step, data position, every RNG state) and
-the resolved `config.yaml`.
+`optimizer.pt`, `scheduler.pt`, the resolved `config.yaml`, and `trainer_state.pt` (step, data
+position, every RNG state, grad-scaler state), written last.
+
+Crash safety: everything is written and fsynced in `.tmp-step-N-<pid>/`, then renamed to
+`step-N/` (one atomic rename). A checkpoint being replaced or rotated away is first renamed to
+`.trash-...` and only then deleted, so a folder named `step-N` is always complete. Only folders
+named `step-N` holding every file are listed; leftover `.tmp-*`/`.trash-*` folders of a killed
+run are ignored and removed by the next save or resume.
 """
 
 from __future__ import annotations
@@ -18,17 +25,43 @@ from typing import Any
 
 import torch
 
-from grpo_cli.errors import UserError
+from grpo_cli.errors import UserError, first_line
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_PREFIX = ".tmp-step-"
+TRASH_PREFIX = ".trash-"
+FORMAT_VERSION = 1
+# Every file a checkpoint needs besides the weights (model.safetensors, or its shard index).
+REQUIRED_FILES = ("config.json", "config.yaml", "optimizer.pt", "scheduler.pt", "trainer_state.pt")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# The model section keys that define the weights a checkpoint continues: they may not change
+# on resume. Everything else may (with a note that the run no longer reproduces exactly).
+MODEL_IDENTITY_KEYS = ("name_or_path", "gguf_file", "revision", "tokenizer")
+# Keys that do not change what is computed; changing them on resume is not worth a note.
+_COSMETIC_KEYS = {"trainer.resume", "trainer.quiet", "trainer.logging_steps", "trainer.save_steps",
+                  "trainer.keep_last", "trainer.max_bad_steps", "trainer.self_check", "trainer.eval_before",
+                  "model.offline_wheel", "model.offline_gguf", "model.trust_remote_code"}
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+# ----------------------------------------------------------------------------- RNG state
+
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": list(_flatten_py_state(random.getstate())), "torch": torch.get_rng_state()}
+    """Every RNG a run draws from: Python's, NumPy's, torch's CPU and CUDA generators. Plain
+    containers and tensors only, so it loads with torch.load(weights_only=True)."""
+    state: dict[str, Any] = {"python": list(_flatten_py_state(random.getstate())), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -43,34 +76,65 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- saving
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, optimizer, scheduler,
                     trainer_state: dict[str, Any], config_yaml: str, keep_last: int) -> Path:
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = root / f"{TMP_PREFIX}{step:06d}-{os.getpid()}"
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        clean_partial(run_dir)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
+        # Written last: a folder holding trainer_state.pt holds everything else.
+        torch.save({**trainer_state, "format": FORMAT_VERSION, "step": step, "rng": rng_state()},
+                   tmp / "trainer_state.pt")
         _fsync_tree(tmp)
-        if final.exists():  # re-saving a step (e.g. final save == periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except OSError as exc:
+        if final.exists():  # re-saving a step: move the old one aside, never delete in place
+            trash = root / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+            _fsync_dir(root)
+    except Exception as exc:  # I/O errors surface as OSError, SafetensorError, RuntimeError...
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write checkpoint {final}: {exc}. Free disk space or point "
-                        "hydra.run.dir at a disk with room; earlier checkpoints are intact.") from exc
+        raise UserError(f"could not write checkpoint {final}: {first_line(exc)}. {_disk_hint(root)}"
+                        "Free disk space or point hydra.run.dir at a disk with room (and resume with "
+                        "trainer.resume=auto); earlier checkpoints are intact.") from exc
+    except BaseException:  # interrupted mid-write: leave no partial folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _rotate(root, keep_last)
     return final
+
+
+def _disk_hint(root: Path) -> str:
+    for path in (root, *root.parents):
+        if path.exists():
+            try:
+                free = shutil.disk_usage(path).free
+            except OSError:
+                return ""
+            return f"{free / 2**30:.2f} GiB free on that disk. "
+    return ""
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -78,27 +142,68 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make renames inside `folder` durable (power loss); a no-op where unsupported."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _rotate(root: Path, keep_last: int) -> None:
     steps = list_checkpoints(root.parent)
     for old in steps[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        trash = root / f"{TRASH_PREFIX}{old.name}-{os.getpid()}"
+        try:
+            os.replace(old, trash)  # atomic: a half-deleted folder is never named step-N
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove what a killed run left half-written: temporary and half-deleted folders."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- finding
+
+
+def missing_files(path: Path) -> list[str]:
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        missing.append(WEIGHT_FILES[0])
+    return missing
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary folders are never listed)."""
+    """Complete checkpoints of a run, oldest first (temporary, half-deleted or incomplete
+    folders are never listed)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)
-             and (p / "trainer_state.pt").is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and not missing_files(p)]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
 def find_resume_checkpoint(resume: str, run_dir: Path) -> Path:
     """`auto`: the latest checkpoint in this run's folder; else a checkpoint or run folder."""
     if resume == "auto":
+        clean_partial(run_dir)
         found = list_checkpoints(run_dir)
         if not found:
             raise UserError(f"trainer.resume=auto found no checkpoint in {checkpoints_dir(run_dir)}. "
@@ -106,14 +211,71 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Path:
                             "or give trainer.resume=<checkpoint folder>.")
         return found[-1]
     path = Path(resume).expanduser()
-    if path.is_dir() and not (path / "trainer_state.pt").is_file():
+    if not path.is_dir():
+        raise UserError(f"trainer.resume={resume!r} does not exist (looked in {path.absolute()}); give a "
+                        "checkpoint folder like outputs/.../checkpoints/step-000050, its run folder, or auto.")
+    if not (path / "trainer_state.pt").is_file():
         found = list_checkpoints(path)
         if found:
             return found[-1]
-    if not (path / "trainer_state.pt").is_file():
         raise UserError(f"trainer.resume={resume!r} is not a grpo-cli checkpoint (no trainer_state.pt); "
                         "give a folder like outputs/.../checkpoints/step-000050 or its run folder.")
+    missing = missing_files(path)
+    if missing:
+        raise UserError(f"trainer.resume={resume!r} is an incomplete checkpoint (missing "
+                        f"{', '.join(missing)}); resume from an earlier one in {path.parent}.")
     return path
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def check_resume_config(path: Path, current: dict[str, Any]) -> list[str]:
+    """Refuse to resume a checkpoint with a different model; return the other settings that
+    differ from the checkpoint's (`key: old -> new`), which are allowed."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"checkpoint {path} has an unreadable config.yaml ({first_line(exc)}); "
+                        "resume from an earlier checkpoint.") from exc
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise UserError(f"checkpoint {path} has no model section in its config.yaml: it was not written "
+                        "by this version of grpo-train; start a new run instead.")
+    for key in MODEL_IDENTITY_KEYS:
+        old, new = saved["model"].get(key), current["model"].get(key)
+        if not _same_model_value(old, new):
+            raise UserError(
+                f"checkpoint {path} was trained from model.{key}={old!r}, but this run sets "
+                f"model.{key}={new!r}. A resumed run continues the checkpoint's weights, so "
+                f"model.{key} must stay the same: drop that override (or set model.{key}={old}), or start "
+                "a new run (a new hydra.run.dir, no trainer.resume) to train the other model.")
+    changed = []
+    for key, old in _flatten(saved).items():
+        new = _flatten(current).get(key, "<absent>")
+        if key not in _COSMETIC_KEYS and old != new:
+            changed.append(f"{key}: {old!r} -> {new!r}")
+    return changed
+
+
+def _same_model_value(old, new) -> bool:
+    if old == new:
+        return True
+    if isinstance(old, str) and isinstance(new, str):
+        a, b = Path(old).expanduser(), Path(new).expanduser()
+        if a.exists() and b.exists():
+            return a.resolve() == b.resolve()
+    return False
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
 
 
 def load_training_state(path: Path) -> tuple[dict, dict, dict]:
@@ -124,6 +286,19 @@ def load_training_state(path: Path) -> tuple[dict, dict, dict]:
         optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
         scheduler_state = torch.load(path / "scheduler.pt", weights_only=True)
     except Exception as exc:
-        raise UserError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); "
-                        "resume from an earlier one.") from exc
+        import pickle
+
+        why = ("torch.load(weights_only=True) refused it: it is not a PyTorch file, or it holds pickled "
+               "objects besides tensors and plain values" if isinstance(exc, pickle.UnpicklingError)
+               else first_line(exc, 160))
+        raise UserError(f"checkpoint {path} cannot be loaded ({why}); it is corrupt or was not written by "
+                        "grpo-train. Resume from an earlier checkpoint.") from exc
+    if isinstance(trainer_state, dict) and int(trainer_state.get("format", 1)) > FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} was written by a newer grpo-cli (checkpoint format "
+                        f"{trainer_state['format']}, this one reads {FORMAT_VERSION}); upgrade grpo-cli to resume it.")
+    required = ("step", "stream", "rng")
+    if not isinstance(trainer_state, dict) or any(k not in trainer_state for k in required):
+        raise UserError(f"checkpoint {path}: trainer_state.pt lacks the step, data position or RNG state; "
+                        "it was not written by this version of grpo-train. Start a new run, or resume "
+                        "from a checkpoint this version wrote.")
     return trainer_state, optimizer_state, scheduler_state

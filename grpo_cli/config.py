@@ -117,6 +117,9 @@ class TrainerConfig:
     resume: Optional[str] = None  # None | auto | a checkpoint folder
     keep_last: int = 2
     quiet: bool = False
+    # A step whose loss or gradient is not finite skips its optimizer update; this many in a row
+    # stop the run with a checkpoint of the last good weights and a diagnosis (exit 3).
+    max_bad_steps: int = 3
 
 
 @dataclass
@@ -163,6 +166,7 @@ POSITIVE_INTS = (
     "trainer.save_steps",
     "trainer.max_sampling_tries",
     "trainer.keep_last",
+    "trainer.max_bad_steps",
     "data.num_examples",
     "data.max_operand",
 )

@@ -72,9 +72,6 @@ def arithmetic_rows(num_examples: int, eval_size: int, *, max_operand: int, max_
 
 
 def _load_table(path: str, subset: str | None, split: str, source: str) -> list[dict]:
-    import datasets
-
-    datasets.disable_progress_bars()
     try:
         if source == "file":
             file = Path(path).expanduser()
@@ -83,12 +80,15 @@ def _load_table(path: str, subset: str | None, split: str, source: str) -> list[
                 raise UserError(f"data.path={path!r}: unknown file type {file.suffix!r}; use one of "
                                 f"{', '.join(FILE_FORMATS)}.")
             if not file.is_file():
-                raise UserError(f"data.path={path!r} does not exist (looked in {file.resolve()}). "
+                what = "is a folder, not a file" if file.is_dir() else "does not exist"
+                raise UserError(f"data.path={path!r} {what} (looked in {file.resolve()}). "
                                 "Give the path of a json/jsonl/csv/parquet file.")
             if fmt == "json":
                 return _read_json_lines(file)
+            datasets = _datasets()
             ds = datasets.load_dataset(fmt, data_files=str(file), split="train")
         else:
+            datasets = _datasets()
             ds = datasets.load_dataset(path, subset, split=split)
     except UserError:
         raise
@@ -101,11 +101,22 @@ def _load_table(path: str, subset: str | None, split: str, source: str) -> list[
     return [dict(row) for row in ds]
 
 
+def _datasets():
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
+
+
 def _read_json_lines(file: Path) -> list[dict]:
     """JSON Lines (or a JSON array), reporting the line number of a malformed line."""
     import json
 
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"data.path={str(file)!r} is not UTF-8 text (byte {exc.start}); give a JSON Lines "
+                        "file, or a csv/parquet file with the matching extension.") from exc
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -121,9 +132,30 @@ def _read_json_lines(file: Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise UserError(f"data.path={str(file)!r}: line {lineno} is not valid JSON "
                                 f"({exc.msg}): {line[:80]!r}. Fix or remove that line.") from exc
-    if not all(isinstance(r, dict) for r in rows):
-        raise UserError(f"data.path={str(file)!r}: every record must be a JSON object with a prompt field.")
+    if not isinstance(rows, list):
+        raise UserError(f"data.path={str(file)!r}: expected JSON Lines (one object per line) or a JSON array.")
+    for i, r in enumerate(rows, start=1):
+        if not isinstance(r, dict):
+            raise UserError(f"data.path={str(file)!r}: record {i} is {type(r).__name__} {str(r)[:60]!r}, not a "
+                            "JSON object; every record must be an object with a prompt field.")
     return rows
+
+
+def check_prompt_column(rows: list[dict], prompt_column: str, where: str) -> None:
+    """Every row has a prompt: a non-empty string or a list of {role, content} messages."""
+    if rows and not any(prompt_column in row for row in rows):
+        raise UserError(f"{where} has no column {prompt_column!r} (columns: {', '.join(map(str, rows[0]))}); "
+                        f"set data.prompt_column to the column that holds the prompts.")
+    for i, row in enumerate(rows, start=1):
+        prompt = row.get(prompt_column)
+        if isinstance(prompt, str) and prompt.strip():
+            continue
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in prompt):
+            continue
+        raise UserError(f"{where}: record {i} has no usable {prompt_column!r} (got {str(prompt)[:60]!r}); each "
+                        "prompt must be a non-empty string or a list of {\"role\": ..., \"content\": ...} "
+                        "messages. Fix or remove that record.")
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -148,9 +180,7 @@ def format_prompt(prompt: Any, tokenizer, *, system_prompt: str | None, use_chat
 def _to_examples(rows: list[dict], tokenizer, *, prompt_column: str, system_prompt: str | None,
                  use_chat_template: bool, max_prompt_length: int, long_prompts: str,
                  where: str) -> tuple[list[Example], int, int]:
-    if rows and prompt_column not in rows[0]:
-        raise UserError(f"{where} has no column {prompt_column!r} (columns: {', '.join(rows[0])}); "
-                        f"set data.prompt_column to the column that holds the prompts.")
+    check_prompt_column(rows, prompt_column, where)
     examples, dropped, truncated = [], 0, 0
     for row in rows:
         text = format_prompt(row[prompt_column], tokenizer, system_prompt=system_prompt,
@@ -174,26 +204,43 @@ def _to_examples(rows: list[dict], tokenizer, *, prompt_column: str, system_prom
     return examples, dropped, truncated
 
 
-def load_prompts(*, tokenizer, source: str, path: str | None, subset: str | None, split: str,
-                 eval_split: str | None, eval_size: int, prompt_column: str,
-                 system_prompt: str | None, use_chat_template: bool, long_prompts: str,
-                 max_prompt_length: int, num_examples: int, max_operand: int,
-                 max_multiplier: int, operations: list[str], seed: int) -> PromptData:
+def read_rows(*, source: str, path: str | None, subset: str | None, split: str, eval_split: str | None,
+              eval_size: int, prompt_column: str, num_examples: int, max_operand: int, max_multiplier: int,
+              operations: list[str], seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows), read and checked without a tokenizer, so bad data fails
+    before any model is loaded."""
     if source == "arithmetic":
-        train_rows, eval_rows = arithmetic_rows(num_examples, eval_size, max_operand=max_operand,
-                                                max_multiplier=max_multiplier,
-                                                operations=list(operations), seed=seed)
-    else:
-        rows = _load_table(path, subset, split, source)
-        if not rows:
-            raise UserError(f"data.path={path!r} holds no rows; give a dataset with at least one prompt.")
-        if eval_split:
-            train_rows, eval_rows = rows, _load_table(path, subset, eval_split, source)
-        else:
-            shuffled = rows[:]
-            random.Random(seed).shuffle(shuffled)
-            n_eval = min(eval_size, len(shuffled) // 5)  # never more than a fifth of the data
-            train_rows, eval_rows = shuffled[n_eval:], shuffled[:n_eval]
+        return arithmetic_rows(num_examples, eval_size, max_operand=max_operand, max_multiplier=max_multiplier,
+                               operations=list(operations), seed=seed)
+    rows = _load_table(path, subset, split, source)
+    if not rows:
+        raise UserError(f"data.path={path!r} holds no rows; give a dataset with at least one prompt.")
+    where = f"data.path={path!r}"
+    check_prompt_column(rows, prompt_column, where)
+    if eval_split:
+        eval_rows = _load_table(path, subset, eval_split, source)
+        check_prompt_column(eval_rows, prompt_column, f"{where} split {eval_split!r}")
+        return _fill_columns(rows), _fill_columns(eval_rows)
+    shuffled = rows[:]
+    random.Random(seed).shuffle(shuffled)
+    n_eval = min(eval_size, len(shuffled) // 5)  # never more than a fifth of the data
+    shuffled = _fill_columns(shuffled)
+    return shuffled[n_eval:], shuffled[:n_eval]
+
+
+def _fill_columns(rows: list[dict]) -> list[dict]:
+    """Rows with optional fields (JSON Lines): every row gets every column, None where absent,
+    so a batch's columns line up with its completions."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row))
+    return [{name: row.get(name) for name in names} for row in rows]
+
+
+def build_prompts(train_rows: list[dict], eval_rows: list[dict], *, tokenizer, source: str, path: str | None,
+                  prompt_column: str, system_prompt: str | None, use_chat_template: bool, long_prompts: str,
+                  max_prompt_length: int) -> PromptData:
+    """Format and tokenize the rows; apply the long-prompt rule."""
     kw = dict(prompt_column=prompt_column, system_prompt=system_prompt,
               use_chat_template=use_chat_template, max_prompt_length=max_prompt_length,
               long_prompts=long_prompts)
@@ -203,6 +250,21 @@ def load_prompts(*, tokenizer, source: str, path: str | None, subset: str | None
         raise UserError(f"every training prompt is longer than sampler.max_prompt_length={max_prompt_length} "
                         f"tokens ({d1} dropped); raise sampler.max_prompt_length or shorten the prompts.")
     return PromptData(train=train, eval=evals, dropped=d1 + d2, truncated=t1 + t2)
+
+
+def load_prompts(*, tokenizer, source: str, path: str | None, subset: str | None, split: str,
+                 eval_split: str | None, eval_size: int, prompt_column: str,
+                 system_prompt: str | None, use_chat_template: bool, long_prompts: str,
+                 max_prompt_length: int, num_examples: int, max_operand: int,
+                 max_multiplier: int, operations: list[str], seed: int) -> PromptData:
+    train_rows, eval_rows = read_rows(source=source, path=path, subset=subset, split=split, eval_split=eval_split,
+                                      eval_size=eval_size, prompt_column=prompt_column, num_examples=num_examples,
+                                      max_operand=max_operand, max_multiplier=max_multiplier,
+                                      operations=operations, seed=seed)
+    return build_prompts(train_rows, eval_rows, tokenizer=tokenizer, source=source, path=path,
+                         prompt_column=prompt_column, system_prompt=system_prompt,
+                         use_chat_template=use_chat_template, long_prompts=long_prompts,
+                         max_prompt_length=max_prompt_length)
 
 
 # ----------------------------------------------------------------------------- prompt stream

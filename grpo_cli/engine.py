@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,16 +20,18 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli.data import PromptStream, load_prompts
-from grpo_cli.errors import UserError
+from grpo_cli.data import PromptStream, build_prompts, read_rows
+from grpo_cli.errors import Interrupted, TrainingDiverged, UserError, first_line
 from grpo_cli.evaluate import evaluate, score_examples
 from grpo_cli.logprobs import token_logprobs, trim_padding
 from grpo_cli.loss import group_advantages, grpo_loss, loss_normalizers
 from grpo_cli.metrics import MetricsLogger
 from grpo_cli.models import ModelSource, autocast, load_model, load_tokenizer, resolve_device, resolve_precision, resolve_source
-from grpo_cli.rewards import build_rewards, reward_metrics
+from grpo_cli.rewards import REGISTRY, build_rewards, reward_metrics
 from grpo_cli.rollout import Rollout, concat, sample, select
 from grpo_cli.selfcheck import SelfCheckError, compare_logprobs, diagnose
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 # ----------------------------------------------------------------------------- builders
 
@@ -54,16 +57,34 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Build everything from the config (fail on bad input before heavy work), then train."""
+def run(cfg: DictConfig, run_dir: Path, on_start=None) -> dict[str, Any]:
+    """Build everything from the config (fail on bad input before heavy work), then train.
+
+    Order: cheap checks first (rewards, device, precision, the checkpoint to resume, the data
+    rows), then the tokenizer and the models. `on_start()` runs once everything is built, just
+    before the first step: grpo-train writes the run record there, so bad input leaves no files.
+    """
     t, s, lo, opt = cfg.trainer, cfg.sampler, cfg.loss, cfg.optimizer
     logger_console = Console(quiet=t.quiet)
     rewards = build_rewards(OmegaConf.to_container(cfg.reward, resolve=True))
     device = resolve_device(t.device)
     precision = resolve_precision(t.precision, device)
-    resume_from = ckpt.find_resume_checkpoint(t.resume, run_dir) if t.resume else None
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resume_from = state = None
+    changed: list[str] = []
+    if t.resume:
+        resume_from = ckpt.find_resume_checkpoint(t.resume, run_dir)
+        changed = ckpt.check_resume_config(resume_from, resolved)
+        state, opt_state, sched_state = ckpt.load_training_state(resume_from)
+    d = cfg.data
+    train_rows, eval_rows = read_rows(source=d.source, path=d.path, subset=d.subset, split=d.split,
+                                      eval_split=d.eval_split, eval_size=d.eval_size, prompt_column=d.prompt_column,
+                                      num_examples=d.num_examples, max_operand=d.max_operand,
+                                      max_multiplier=d.max_multiplier, operations=list(d.operations), seed=t.seed)
+    _check_reward_columns(rewards, train_rows + eval_rows, d)
     random.seed(t.seed)
     torch.manual_seed(t.seed)
+    _seed_numpy(t.seed)
 
     source = resolve_source(cfg.model.name_or_path, cfg.model.gguf_file, offline_wheel=cfg.model.offline_wheel,
                             offline_gguf=cfg.model.offline_gguf, log=logger_console.print)
@@ -71,60 +92,121 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     model_kw = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = load_tokenizer(source, chat_template=cfg.model.chat_template,
                                tokenizer_path=cfg.model.tokenizer, **model_kw)
-    d = cfg.data
-    data = load_prompts(tokenizer=tokenizer, source=d.source, path=d.path, subset=d.subset, split=d.split,
-                        eval_split=d.eval_split, eval_size=d.eval_size, prompt_column=d.prompt_column,
-                        system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
-                        long_prompts=d.long_prompts, max_prompt_length=s.max_prompt_length,
-                        num_examples=d.num_examples, max_operand=d.max_operand,
-                        max_multiplier=d.max_multiplier, operations=list(d.operations), seed=t.seed)
+    data = build_prompts(train_rows, eval_rows, tokenizer=tokenizer, source=d.source, path=d.path,
+                         prompt_column=d.prompt_column, system_prompt=d.system_prompt,
+                         use_chat_template=d.use_chat_template, long_prompts=d.long_prompts,
+                         max_prompt_length=s.max_prompt_length)
     logger_console.print(
         f"data: {len(data.train)} training prompts, {len(data.eval)} held-out"
         + (f"; {data.dropped} dropped as longer than max_prompt_length={s.max_prompt_length}" if data.dropped else "")
         + (f"; {data.truncated} truncated on the left" if data.truncated else ""))
 
+    steps_per_epoch = math.ceil(len(data.train) / t.prompts_per_step)
+    total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
+    start_step = int(state["step"]) if state else 0
+    if state and start_step == total_steps:
+        print(f"grpo-train: the run is already complete ({resume_from} is step {total_steps} of {total_steps}); "
+              "nothing was changed. Raise trainer.max_steps to train further.", file=sys.stderr, flush=True)
+        return {}
+    if start_step > total_steps:
+        raise UserError(
+            f"checkpoint {resume_from} is at step {start_step}, and this run ends at step {total_steps} "
+            f"(trainer.max_steps={t.max_steps}, trainer.epochs={t.epochs}, {steps_per_epoch} steps per epoch): "
+            f"it is past the end. Raise trainer.max_steps (or trainer.epochs) above {start_step} to continue it.")
+
     policy_source = ModelSource(str(resume_from), None, f"checkpoint {resume_from}") if resume_from else source
-    policy = load_model(policy_source, device=device, trainable=True,
-                        gradient_checkpointing=t.gradient_checkpointing, **model_kw)
+    policy = load_model(policy_source, device=device, trainable=True, gradient_checkpointing=t.gradient_checkpointing,
+                        key="trainer.resume" if resume_from else "model.name_or_path", **model_kw)
     # The reference model exists only when the KL term does (beta > 0): frozen, eval, no grad.
     ref = load_model(source, device=device, trainable=False, **model_kw) if lo.beta > 0 else None
 
-    steps_per_epoch = math.ceil(len(data.train) / t.prompts_per_step)
-    total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
     optimizer, scheduler = build_optimizer(policy, total_updates=total_steps * t.num_iterations,
                                            **OmegaConf.to_container(opt))
     stream = PromptStream(data.train, seed=t.seed)
-    start_step = 0
-    if resume_from:
-        state, opt_state, sched_state = ckpt.load_training_state(resume_from)
-        optimizer.load_state_dict(opt_state)
-        scheduler.load_state_dict(sched_state)
-        stream.load_state(state["stream"])
-        ckpt.restore_rng_state(state["rng"])
-        start_step = int(state["step"])
+    if state:
+        try:
+            optimizer.load_state_dict(opt_state)
+            scheduler.load_state_dict(sched_state)
+            stream.load_state(state["stream"])
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+            raise UserError(f"checkpoint {resume_from}: its optimizer/scheduler state does not fit this "
+                            f"model and optimizer ({first_line(exc, 160)}); resume with the checkpoint's own "
+                            "model and optimizer settings, or start a new run.") from exc
         logger_console.print(f"resumed from {resume_from} at step {start_step}")
+        if changed:
+            logger_console.print("[yellow]settings differ from the checkpoint's (allowed; later steps will not "
+                                 "match an uninterrupted run exactly): " + "; ".join(changed) + "[/]")
 
-    return train(
-        policy=policy, ref=ref, tokenizer=tokenizer, stream=stream, eval_examples=data.eval,
-        rewards=rewards, optimizer=optimizer, scheduler=scheduler, device=device,
-        precision=precision, run_dir=run_dir, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        start_step=start_step, total_steps=total_steps,
-        sampling=dict(num_generations=s.num_generations, max_new_tokens=s.max_new_tokens,
-                      temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
-        advantage_kwargs=dict(scale_rewards=lo.scale_rewards, std=lo.std, eps=lo.eps,
-                              estimator=lo.estimator, zero_std_threshold=lo.zero_std_threshold),
-        loss_kwargs=dict(beta=lo.beta, epsilon=lo.epsilon, epsilon_high=lo.epsilon_high, delta=lo.delta,
-                         importance_sampling_level=lo.importance_sampling_level,
-                         kl_estimator=lo.kl_estimator, loss_type=lo.loss_type, zero_std=lo.zero_std),
-        mask_truncated_completions=lo.mask_truncated_completions,
-        prompts_per_step=t.prompts_per_step, gradient_accumulation_steps=t.gradient_accumulation_steps,
-        num_iterations=t.num_iterations, max_grad_norm=opt.max_grad_norm,
-        logging_steps=t.logging_steps, save_steps=t.save_steps, eval_steps=t.eval_steps,
-        keep_last=t.keep_last, dynamic_sampling=t.dynamic_sampling,
-        max_sampling_tries=t.max_sampling_tries, self_check=t.self_check and not resume_from,
-        eval_before=t.eval_before and not resume_from,
-        quiet=t.quiet,
-    )
+    if on_start is not None:
+        on_start()
+    if state:
+        # Last, right before the first step: nothing may draw from the RNGs in between.
+        ckpt.restore_rng_state(state["rng"])
+    try:
+        return train(
+            policy=policy, ref=ref, tokenizer=tokenizer, stream=stream, eval_examples=data.eval,
+            rewards=rewards, optimizer=optimizer, scheduler=scheduler, device=device,
+            precision=precision, run_dir=run_dir, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+            start_step=start_step, total_steps=total_steps,
+            sampling=dict(num_generations=s.num_generations, max_new_tokens=s.max_new_tokens,
+                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
+            advantage_kwargs=dict(scale_rewards=lo.scale_rewards, std=lo.std, eps=lo.eps,
+                                  estimator=lo.estimator, zero_std_threshold=lo.zero_std_threshold),
+            loss_kwargs=dict(beta=lo.beta, epsilon=lo.epsilon, epsilon_high=lo.epsilon_high, delta=lo.delta,
+                             importance_sampling_level=lo.importance_sampling_level,
+                             kl_estimator=lo.kl_estimator, loss_type=lo.loss_type, zero_std=lo.zero_std),
+            mask_truncated_completions=lo.mask_truncated_completions,
+            prompts_per_step=t.prompts_per_step, gradient_accumulation_steps=t.gradient_accumulation_steps,
+            num_iterations=t.num_iterations, max_grad_norm=opt.max_grad_norm,
+            logging_steps=t.logging_steps, save_steps=t.save_steps, eval_steps=t.eval_steps,
+            keep_last=t.keep_last, dynamic_sampling=t.dynamic_sampling,
+            max_sampling_tries=t.max_sampling_tries, self_check=t.self_check and not resume_from,
+            eval_before=t.eval_before and not resume_from,
+            quiet=t.quiet, max_bad_steps=t.max_bad_steps,
+            resume_state=state,
+        )
+    except Interrupted as exc:  # a second signal: the step in progress (or the save) is abandoned
+        found = ckpt.list_checkpoints(run_dir)
+        print(f"grpo-train: stopped by {exc.signal_name} at once; the step in progress was abandoned and not "
+              "saved. " + (f"Latest checkpoint: {found[-1]}.\nResume with the same command plus: "
+                           f"hydra.run.dir={run_dir} trainer.resume=auto" if found else
+                           "No checkpoint was written yet: start the run again."), file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
+    except _OUT_OF_MEMORY as exc:
+        found = ckpt.list_checkpoints(run_dir)
+        raise UserError(f"out of {device.type} memory during training ({first_line(exc, 120)}). Lower "
+                        "trainer.prompts_per_step, sampler.num_generations or sampler.max_new_tokens, raise "
+                        "trainer.gradient_accumulation_steps, or set trainer.gradient_checkpointing=true"
+                        + (f"; then resume from {found[-1]} (hydra.run.dir={run_dir} trainer.resume=auto)."
+                           if found else ".")) from exc
+
+
+def _seed_numpy(seed: int) -> None:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return
+    np.random.seed(seed)
+
+
+def _check_reward_columns(rewards, rows: list[dict], data_cfg) -> None:
+    """The accuracy reward needs a gold answer per prompt: check the column before any model loads."""
+    for spec in rewards:
+        if spec.fn is not REGISTRY["accuracy"]:
+            continue
+        column = spec.options.get("answer_column", "answer")
+        where = f"data.path={data_cfg.path!r}" if data_cfg.source != "arithmetic" else "the arithmetic data"
+        if rows and not any(column in row for row in rows):
+            raise UserError(
+                f"reward.{spec.name} needs the gold answer of each prompt, but {where} has no column "
+                f"{column!r} (columns: {', '.join(map(str, rows[0]))}). Set reward.{spec.name}.answer_column "
+                f"to the column that holds the answers, or drop the {spec.name} reward.")
+        for row in rows:
+            if row.get(column) is None:
+                prompt = str(row.get(data_cfg.prompt_column))[:60]
+                raise UserError(
+                    f"reward.{spec.name} needs the gold answer of each prompt, but a record of {where} has no "
+                    f"{column!r} (prompt {prompt!r}); add its answer or remove that record.")
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -136,19 +218,34 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
           mask_truncated_completions: bool, prompts_per_step: int, gradient_accumulation_steps: int,
           num_iterations: int, max_grad_norm: float, logging_steps: int, save_steps: int,
           eval_steps: int, keep_last: int, dynamic_sampling: bool, max_sampling_tries: int,
-          self_check: bool, quiet: bool, eval_before: bool = False) -> dict[str, Any]:
+          self_check: bool, quiet: bool, eval_before: bool = False, max_bad_steps: int = 3,
+          resume_state: dict | None = None) -> dict[str, Any]:
     G = sampling["num_generations"]
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(tokenizer, policy)
     scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    if scaler is not None and resume_state and resume_state.get("grad_scaler"):
+        scaler.load_state_dict(resume_state["grad_scaler"])
     micro_prompts = prompts_per_step // gradient_accumulation_steps
     stop = _StopFlag()
     last_row: dict[str, Any] = {}
+    # Consecutive steps whose loss or gradient was not finite (their updates were skipped), and
+    # the last step whose updates all applied: the weights have not changed since.
+    bad_streak = int((resume_state or {}).get("bad_steps", 0))
+    bad_log: list[str] = list((resume_state or {}).get("bad_log", []))
+    last_good_step = int((resume_state or {}).get("last_good_step", start_step))
 
-    def save(step: int) -> Path:
+    def save(step: int) -> Path | None:
+        bad = _nonfinite_params(policy)
+        if bad:  # never write weights that would load but are garbage
+            log.warn(f"step {step}: the weights are not finite (e.g. {', '.join(bad)}); checkpoint not written.")
+            return None
         return ckpt.save_checkpoint(run_dir, step, model=policy, tokenizer=tokenizer,
                                     optimizer=optimizer, scheduler=scheduler,
-                                    trainer_state={"stream": stream.state()},
+                                    trainer_state={"stream": stream.state(),
+                                                   "grad_scaler": scaler.state_dict() if scaler else {},
+                                                   "bad_steps": bad_streak, "bad_log": bad_log,
+                                                   "last_good_step": last_good_step},
                                     config_yaml=config_yaml, keep_last=keep_last)
 
     def run_eval() -> dict[str, float]:
@@ -157,6 +254,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                             temperature=sampling["temperature"], top_p=sampling["top_p"],
                             top_k=sampling["top_k"], eos_ids=eos_ids, pad_id=pad_id, greedy=True)
 
+    resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
     log = MetricsLogger(run_dir, total_steps=total_steps, quiet=quiet, resume_step=start_step)
     before: dict[str, float] = {}
     with log, stop:
@@ -229,6 +327,8 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             stats_sum: dict[str, float] = {}
             entropy_sum = entropy_tokens = 0.0
             ratio_max = 0.0
+            faults: list[str] = []  # this step's skipped updates: which value was not finite
+            applied = 0
             for iteration in range(num_iterations):
                 order = torch.randperm(len(micro_rows)).tolist()
                 loss_total = 0.0
@@ -262,15 +362,25 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                         entropy_tokens += float(valid.sum())
 
                 # 5. Clip (log the pre-clip norm: what clip_grad_norm_ returns, ref 000.7), step.
+                #    A non-finite loss or gradient skips the update (weights stay as they were).
                 if scaler:
                     scaler.unscale_(optimizer)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm))
                 if not math.isfinite(loss_total) or not math.isfinite(grad_norm):
-                    log.print(f"[yellow]step {step}: non-finite {'loss' if not math.isfinite(loss_total) else 'gradient'} "
-                              f"(loss={loss_total}, grad_norm={grad_norm}); optimizer step skipped[/]")
+                    what = "loss" if not math.isfinite(loss_total) else "gradient"
+                    where = "" if what == "loss" else _nonfinite_grads(policy)
                     optimizer.zero_grad(set_to_none=True)
                     if scaler:
                         scaler.update()
+                    # fp16: an overflowing gradient is the grad scaler's business (it lowers its
+                    # scale and skips) until the scale is below 1, where scaling cannot help.
+                    benign = scaler is not None and what == "gradient" and scaler.get_scale() >= 1.0
+                    note = f"; grad scaler lowers its scale to {scaler.get_scale():g}" if scaler else ""
+                    if not benign:
+                        faults.append(f"step {step}: non-finite {what} (loss={loss_total}, grad_norm={grad_norm}{where})")
+                    log.warn(f"step {step}: non-finite {what} (loss={loss_total}, grad_norm={grad_norm}{where}); "
+                             f"optimizer step skipped{note}" + (
+                                 "" if benign else f" ({bad_streak + 1} of trainer.max_bad_steps={max_bad_steps} in a row)"))
                     continue
                 if scaler:
                     scaler.step(optimizer)
@@ -279,6 +389,9 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                     optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                applied += 1
+            if applied and _nonfinite_params(policy):  # a finite gradient can still overflow the weights
+                _stop_diverged(policy, step, last_good_step, bad_log, max_bad_steps, save, run_dir, resume_hint, log)
 
             # 6. Metrics (TRL's names), eval, checkpoint.
             step_time = time.perf_counter() - t0
@@ -305,10 +418,19 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                 "grad_norm": grad_norm,
                 "learning_rate": float(scheduler.get_last_lr()[0]),
                 "loss": loss_total,
+                "skipped_updates": len(faults),
                 "step_time": step_time,
                 "tokens_per_second": float(batch.completion_mask.sum()) / step_time,
                 "pass_rate_hist": _pass_rate_histogram(per_reward_all, G),
             }
+            if faults:
+                bad_streak += 1
+                bad_log = (bad_log + faults)[-max_bad_steps * num_iterations:]
+            else:
+                bad_streak, bad_log, last_good_step = 0, [], step
+            if bad_streak >= max_bad_steps:
+                log.log(row)
+                _stop_diverged(policy, step, last_good_step, bad_log, max_bad_steps, save, run_dir, resume_hint, log)
             if eval_examples and ((eval_steps and step % eval_steps == 0) or step == total_steps):
                 row.update(run_eval())
             if step % logging_steps == 0 or step == total_steps:
@@ -316,14 +438,17 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             else:
                 log.advance(step)
             last_row = row
-            if step % save_steps == 0 and step != total_steps:
-                save(step)
-            if stop.requested:
+            if stop.requested and step != total_steps:  # (on the last step: finish normally)
                 path = save(step)
                 log.flush_table()
-                log.print(f"[yellow]stopped by {stop.signal_name} after step {step}; checkpoint {path}.[/]\n"
-                          f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto")
+                found = ckpt.list_checkpoints(run_dir)
+                log.warn(f"grpo-train: stopped by {stop.signal_name} after step {step} of {total_steps}; "
+                         + (f"checkpoint {path}.\n{resume_hint}" if path else
+                            f"no checkpoint written (the weights are not finite); latest: "
+                            f"{found[-1] if found else 'none'}."))
                 raise SystemExit(stop.exit_code)
+            if step % save_steps == 0 and step != total_steps:
+                save(step)
 
         path = save(total_steps)
         log.flush_table()
@@ -334,6 +459,55 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                           f"before {before[key]:.3f} -> after {last_row[key]:.3f} "
                           f"({last_row[key] - before[key]:+.3f})")
     return last_row
+
+
+def _nonfinite_grads(policy, limit: int = 3) -> str:
+    names = [name for name, p in policy.named_parameters()
+             if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if not names:
+        return ""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f", first in {', '.join(names[:limit])}{more}"
+
+
+def _nonfinite_params(policy, limit: int = 3) -> list[str]:
+    named = list(policy.named_parameters())
+    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()  # one device sync
+    return [name for (name, _), ok in zip(named, finite) if not ok][:limit]
+
+
+def _stop_diverged(policy, step: int, last_good_step: int, bad_log: list[str], max_bad_steps: int, save,
+                   run_dir: Path, resume_hint: str, log) -> None:
+    """Stop with exit 3 and a diagnosis. Either `max_bad_steps` steps in a row had a non-finite
+    loss or gradient (their updates were skipped, so the weights are still those of
+    `last_good_step`: save them), or an update made the weights themselves non-finite (never
+    save those: point at the latest good checkpoint)."""
+    bad_params = _nonfinite_params(policy)
+    log.flush_table()
+    if bad_params:
+        found = ckpt.list_checkpoints(run_dir)
+        where = (f"The latest good checkpoint is {found[-1]}: resume from it (trainer.resume={found[-1]}) with a "
+                 "lower optimizer.learning_rate." if found else "No checkpoint was written before it: start again "
+                 "with a lower optimizer.learning_rate.")
+        raise TrainingDiverged(
+            f"the weights are not finite after step {step} (e.g. {', '.join(bad_params)}), so training stopped "
+            "and they were not saved.\nDiagnosis: an update diverged (learning rate too high for this model or "
+            f"precision, or optimizer.adam_epsilon too small). {where}")
+    streak = len({line.split(":")[0] for line in bad_log})
+    path = save(step)
+    if any("non-finite loss" in line for line in bad_log):
+        cause = ("the loss was not finite: the log-probs or the KL term overflowed (try trainer.precision=fp32, "
+                 "or bf16 instead of fp16), or a reward is extreme; check the rewards with grpo-reward-test and "
+                 "lower optimizer.learning_rate")
+    else:
+        cause = ("the loss was finite but its gradient was not: it overflowed (use trainer.precision=fp32 or "
+                 "bf16 instead of fp16, lower optimizer.learning_rate, keep optimizer.max_grad_norm finite)")
+    raise TrainingDiverged(
+        f"{streak} steps in a row (trainer.max_bad_steps={max_bad_steps}) had a non-finite loss or "
+        f"gradient, so training stopped at step {step}:\n  " + "\n  ".join(bad_log[-max_bad_steps:])
+        + f"\nDiagnosis: {cause}. Checkpoint {path} holds the last good weights (those of step {last_good_step}; "
+        f"the updates of steps {last_good_step + 1}-{step} were skipped) and the data position after step {step}."
+        f"\n{resume_hint} (after changing the settings above)")
 
 
 def _self_check(policy, logps, batch, rows, C, precision, sampling, advantages, zero_std, log) -> None:
@@ -370,7 +544,8 @@ def _pass_rate_histogram(per_reward: dict[str, list], G: int) -> list[int]:
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM finish the current step, save a checkpoint and exit 130/143."""
+    """SIGINT/SIGTERM finish the current step, save a checkpoint and exit 130/143; a second one
+    abandons the step (or the checkpoint being written) and exits at once."""
 
     def __init__(self):
         self.requested = False
@@ -379,11 +554,14 @@ class _StopFlag:
         self._previous = {}
 
     def _handle(self, signum, frame):
-        if self.requested:  # second signal: stop now
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.requested:  # second signal: abandon the step now
+            raise Interrupted(name, 128 + signum)
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = name
         self.exit_code = 128 + signum
+        print(f"grpo-train: {name} received; finishing this step, then saving a checkpoint "
+              "(send it again to stop at once without saving this step).", file=sys.stderr, flush=True)
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from grpo_cli.errors import UserError, first_line
 
 # Columns of the console table (all of them go to metrics.jsonl).
 TABLE_COLUMNS = ("step", "reward", "reward_std", "frac_reward_zero_std", "kl", "grad_norm",
@@ -36,12 +39,17 @@ class MetricsLogger:
         self.table_every = table_every
         self.console = Console(stderr=False, quiet=quiet)
         self.rows: list[dict] = []
-        if resume_step and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        elif self.path.exists():
-            self.path.unlink()
+        try:
+            if resume_step and self.path.exists():
+                kept = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and _step_of(line) <= resume_step]
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(self.path)
+            elif self.path.exists():
+                self.path.unlink()
+        except OSError as exc:
+            raise _write_error(self.path, exc) from exc
         self._pending: list[dict] = []
         self.progress = Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -61,8 +69,11 @@ class MetricsLogger:
     def log(self, row: dict[str, Any]) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" else v)
                  for k, v in row.items()}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(clean, allow_nan=True) + "\n")
+        try:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(clean, allow_nan=True) + "\n")
+        except OSError as exc:
+            raise _write_error(self.path, exc) from exc
         self.rows.append(clean)
         self._pending.append(clean)
         if "reward" in clean:
@@ -88,6 +99,23 @@ class MetricsLogger:
 
     def print(self, *args, **kwargs) -> None:
         self.progress.console.print(*args, **kwargs)
+
+    def warn(self, text: str) -> None:
+        """Warnings and stop messages: to stderr, plain text, even with trainer.quiet=true."""
+        print(text, file=sys.stderr, flush=True)
+
+
+def _step_of(line: str) -> int:
+    """The step of a metrics line; a line cut short by a kill (no newline, bad JSON) is dropped."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 1 << 62
+
+
+def _write_error(path: Path, exc: OSError) -> UserError:
+    return UserError(f"could not write {path}: {first_line(exc)}. Free disk space or point hydra.run.dir at a "
+                     "writable disk with room.")
 
 
 def all_finite(row: dict[str, Any]) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_cli.errors import UserError
+from grpo_cli.errors import UserError, first_line
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -140,12 +140,46 @@ def resolve_source(name_or_path: str, gguf_file: str | None = None, *, offline_w
     return ModelSource(name_or_path, gguf_file, f"hub model {name_or_path}")
 
 
-def _offline_hint(source: ModelSource, exc: Exception) -> UserError:
+def _load_error(source: ModelSource, exc: Exception, *, what: str = "model", key: str = "model.name_or_path",
+                path: str | None = None) -> UserError:
+    """A short message for a failed from_pretrained: the cause, then the fix that fits it."""
+    path = path or source.path
+    folder = Path(path).expanduser()
+    text = str(exc)
+    if "trust_remote_code" in text or "custom code" in text:
+        return UserError(
+            f"{key}={path!r} ships its own Python code (custom model/tokenizer classes), which grpo-cli "
+            "does not run unless you ask: set model.trust_remote_code=true only if you have read that "
+            "code and trust it, or use a model whose architecture transformers supports natively."
+        )
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local and not folder.exists():
+        return UserError(f"{key}={path!r} is not an existing folder. Point it at a folder holding the {what} "
+                         "files (e.g. one written by save_pretrained), or at a hub id.")
+    if folder.is_dir():
+        if not (folder / "config.json").is_file() and not source.gguf_file and what == "model":
+            return UserError(
+                f"{key}={path!r} is a folder but not a model: it has no config.json. Point it at a "
+                "folder written by save_pretrained (config.json, model.safetensors, tokenizer files)."
+            )
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pth", ".ckpt"))
+        has_safetensors = any(folder.glob("*.safetensors"))
+        if what == "model" and not source.gguf_file and not has_safetensors and pickled:
+            return UserError(
+                f"{key}={path!r} holds only pickled weights ({', '.join(pickled[:3])}); grpo-cli loads "
+                "weights only from safetensors, because loading a pickle can run arbitrary code. On a "
+                "machine where you trust the file, convert it once: python -c \"from transformers import "
+                "AutoModelForCausalLM as M; M.from_pretrained('DIR', use_safetensors=False)"
+                ".save_pretrained('OUT')\" and point the setting at OUT."
+            )
+        return UserError(
+            f"could not load the {what} from {key}={path!r}: {first_line(exc)}. The folder's files are "
+            "missing, corrupt or truncated; re-download or re-save it (save_pretrained)."
+        )
     return UserError(
-        f"could not load {source.description}: {type(exc).__name__}: {str(exc).splitlines()[0][:300].rstrip('.')}. "
-        "If this machine cannot reach the Hugging Face Hub, download the model elsewhere "
-        "(huggingface-cli download <id> --local-dir DIR), copy it here, and point "
-        "model.name_or_path=DIR at that folder."
+        f"could not load the {what} {path!r} ({key}): {first_line(exc)}. If this machine cannot reach the "
+        "Hugging Face Hub, download it elsewhere (huggingface-cli download <id> --local-dir DIR), copy it "
+        f"here, and set {key}=DIR; if the id is misspelt, fix it."
     )
 
 
@@ -160,14 +194,19 @@ def load_tokenizer(source: ModelSource, *, revision: str | None = None,
             tok = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
         else:
             tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise _offline_hint(source, exc) from exc
+    except Exception as exc:  # OSError, ValueError, HFValidationError, JSONDecodeError, ...
+        if tokenizer_path:
+            raise _load_error(source, exc, what="tokenizer", key="model.tokenizer", path=tokenizer_path) from exc
+        raise _load_error(source, exc, what="tokenizer") from exc
     # Left padding: prompts end where generation starts, so a batch's new tokens line up.
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         # Fallback: reuse EOS as padding. Completion masks come from the sampled tokens (up to
         # and including the first EOS), never from the pad id, so this is safe.
         tok.pad_token = tok.eos_token
+    if tok.pad_token_id is None:
+        raise UserError(f"the tokenizer of {source.description} has neither a pad nor an EOS token; "
+                        "use a tokenizer that defines eos_token (set model.tokenizer=DIR).")
     if chat_template:
         tok.chat_template = chat_template
     return tok
@@ -175,8 +214,9 @@ def load_tokenizer(source: ModelSource, *, revision: str | None = None,
 
 def load_model(source: ModelSource, *, device: torch.device, revision: str | None = None,
                trust_remote_code: bool = False, gradient_checkpointing: bool = False,
-               trainable: bool = True):
-    """fp32 master weights on `device`; the reference model (trainable=False) is frozen, eval."""
+               trainable: bool = True, key: str = "model.name_or_path"):
+    """fp32 master weights on `device`; the reference model (trainable=False) is frozen, eval.
+    Weights load from safetensors only (or GGUF): never from a pickle."""
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32)
@@ -186,8 +226,8 @@ def load_model(source: ModelSource, *, device: torch.device, revision: str | Non
         kwargs["use_safetensors"] = True  # never unpickle .bin weights
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise _offline_hint(source, exc) from exc
+    except Exception as exc:  # OSError, ValueError, SafetensorError (corrupt file), ...
+        raise _load_error(source, exc, key=key) from exc
     model.to(device)
     if trainable:
         model.train()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_cli.errors import TrainingDiverged
 from grpo_cli.logprobs import selective_logprobs
 
 # Max |trainer - sampler| log-prob over valid tokens. fp32 differs only by kernel order
@@ -18,8 +19,8 @@ from grpo_cli.logprobs import selective_logprobs
 TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp16": 0.25}
 
 
-class SelfCheckError(RuntimeError):
-    pass
+class SelfCheckError(TrainingDiverged):
+    """The step-0 self-check failed: exit 3 with the diagnosis, before any update."""
 
 
 @dataclass

@@ -2,12 +2,20 @@
 
 No training logic lives here. The engine never reads Hydra state: this module reads the run
 folder once and passes it down.
+
+Every way a run can end is a short message and a documented exit status (grpo_cli/errors.py),
+never a traceback for bad input: Hydra's own composition errors (bad type, unknown key or
+option, an output folder that cannot be created) are caught here too and reworded.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
+import re
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -15,8 +23,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli.config import register_configs, validate
-from grpo_cli.errors import UserError, report_and_exit
+from grpo_cli.config import Config, register_configs, validate
+from grpo_cli.errors import EXIT_DIVERGED, Interrupted, TrainingDiverged, UserError, first_line, report_and_exit
 
 # One id per process: two runs started in the same second get different folders.
 _RUN_ID = f"{os.getpid()}{secrets.token_hex(2)}"
@@ -24,6 +32,8 @@ OmegaConf.register_new_resolver("grpo_run_id", lambda: _RUN_ID, replace=True)
 register_configs()
 
 _task_started = False
+_training_started = False
+_PREEXISTING: set[Path] = set()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -34,25 +44,30 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save_run_record(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """The resolved config and the command-line overrides, next to everything the run writes."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    _write_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        _write_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    except OSError as exc:
+        raise UserError(f"could not write the run record in {run_dir}: {first_line(exc)}. Free disk space or "
+                        "point hydra.run.dir at a writable disk with room.") from exc
 
 
 def _discard_if_nothing_trained(run_dir: Path) -> None:
     """Bad input found while building (data, model, rewards): leave no run folder behind."""
     if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists():
-        for name in ("config.yaml", "overrides.yaml"):
+        for name in ("config.yaml", "overrides.yaml", "config.yaml.tmp", "overrides.yaml.tmp"):
             (run_dir / name).unlink(missing_ok=True)
         _remove_if_empty(run_dir)
 
 
 def _remove_if_empty(run_dir: Path) -> None:
     """Hydra creates the run folder (and its parents) before our task runs; a rejected config
-    leaves nothing behind: remove the empty folders up to, not including, the working dir."""
+    leaves nothing behind: remove the empty folders from the run folder up, never the working
+    dir or a folder above it, nor one that existed before this run."""
     cwd = Path.cwd().resolve()
     path = run_dir.resolve()
-    while path != cwd and cwd in path.parents:
+    while path != cwd and path not in cwd.parents and path not in _PREEXISTING and path.parent != path:
         try:
             path.rmdir()
         except OSError:
@@ -60,35 +75,204 @@ def _remove_if_empty(run_dir: Path) -> None:
         path = path.parent
 
 
+def _note_preexisting(args: list[str]) -> None:
+    """The folders on the way to an explicit hydra.run.dir that exist before Hydra creates the
+    rest: those are the user's and are never removed."""
+    for arg in args:
+        if arg.startswith("hydra.run.dir="):
+            path = Path(os.path.abspath(Path(arg.split("=", 1)[1]).expanduser()))
+            _PREEXISTING.update(p.resolve() for p in (path, *path.parents) if p.exists())
+
+
 @hydra.main(version_base="1.3", config_path="pkg://grpo_cli.conf", config_name="config")
 def _train(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
+    sys.stderr.write(_STDERR.release())  # whatever Hydra printed while composing (warnings)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     problems = validate(cfg)
     if problems:
         _remove_if_empty(run_dir)
         report_and_exit("grpo-train: invalid configuration", problems)
-    save_run_record(cfg, run_dir, list(hydra_cfg.overrides.task))
+    overrides = list(hydra_cfg.overrides.task)
     try:
         from grpo_cli.engine import run
 
-        run(cfg, run_dir)
+        # The run record is written once everything is built, right before the first step.
+        def on_start() -> None:
+            global _training_started
+            save_run_record(cfg, run_dir, overrides)
+            _training_started = True
+
+        run(cfg, run_dir, on_start=on_start)
     except UserError as exc:
         _discard_if_nothing_trained(run_dir)
         report_and_exit("grpo-train", [str(exc)])
+    except TrainingDiverged as exc:
+        report_and_exit("grpo-train: training stopped", [str(exc)], code=EXIT_DIVERGED)
+    except Interrupted:
+        _discard_if_nothing_trained(run_dir)
+        raise
+
+
+# ----------------------------------------------------------------------------- before the task
+
+
+class _StderrCapture:
+    """Holds what Hydra writes to stderr until our task starts, so that a composition error
+    can be reworded (and its traceback, if any, dropped); afterwards it passes writes through."""
+
+    def __init__(self, real):
+        self.real = real
+        self.parts: list[str] = []
+        self.capturing = False
+
+    def start(self) -> None:
+        if sys.stderr is not self:
+            self.real = sys.stderr
+        self.capturing = True
+        sys.stderr = self
+
+    def release(self) -> str:
+        """Stop capturing; return what was captured (the caller prints or rewords it)."""
+        text = "".join(self.parts)
+        self.parts, self.capturing = [], False
+        if sys.stderr is self:
+            sys.stderr = self.real
+        return text
+
+    def write(self, text: str) -> int:
+        if self.capturing:
+            self.parts.append(text)
+            return len(text)
+        return self.real.write(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+_STDERR = _StderrCapture(sys.stderr)
+
+
+def _group_fields(group: str) -> list[str]:
+    for f in dataclasses.fields(Config):
+        if f.name == group:
+            node = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(node):
+                return [g.name for g in dataclasses.fields(node)]
+    return []
+
+
+def _group_options(group: str) -> list[str]:
+    from importlib.resources import files
+
+    try:
+        folder = files("grpo_cli.conf") / group
+        return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        return []
+
+
+def _explain_compose_error(text: str) -> str:
+    """Hydra's message without its noise (search path, class names, traceback), plus the fix."""
+    lines = text.strip().splitlines()
+    if any(line.startswith("Traceback (most recent call last)") for line in lines):
+        last = [line.strip() for line in lines
+                if line.strip() and not line.startswith("Set the environment variable")]
+        return (f"grpo-train: could not start the run: {last[-1] if last else 'unknown error'}.\n"
+                "Check hydra.run.dir (a folder grpo-train can create and write to) and the other overrides.")
+    keep, in_search_path = [], False
+    for line in lines:
+        if line.startswith("Config search path:"):
+            in_search_path = True
+            continue
+        if in_search_path and line.startswith("\t"):
+            continue
+        in_search_path = False
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("reference_type=", "object_type=", "To append to your config")) \
+                or line.startswith("Set the environment variable HYDRA_FULL_ERROR"):
+            continue
+        keep.append(line.rstrip())
+    hints = []
+    key = re.search(r"Key '([^']+)' not in '[^']+'", text)
+    full = re.search(r"full_key: ([\w.]+)", text)
+    if key and full and "." in full.group(1):
+        group = full.group(1).split(".")[0]
+        fields = _group_fields(group)
+        close = difflib.get_close_matches(key.group(1), fields, n=1)
+        hints.append(f"{full.group(1)} is not a key of {group}" + (f"; did you mean {group}.{close[0]}?" if close else ".")
+                     + (f" Its keys: {', '.join(fields)}." if fields else ""))
+    typed = re.search(r"could not be converted to (\w+)", text)
+    if typed and full:
+        hints.append(f"give {full.group(1)} a value of type {typed.group(1).lower()}.")
+    missing = re.search(r"Could not (?:load|find) '([\w-]+)/([^']+)'", text)
+    if missing and "Available options" not in text:
+        options = _group_options(missing.group(1))
+        if options:
+            hints.append(f"{missing.group(1)} has no option {missing.group(2)!r}; the options are: "
+                         f"{', '.join(options)} (add your own with --config-dir).")
+    if "override_grammar" in text:
+        for arg in _unparsable_overrides(sys.argv[1:]):
+            hints.append(f"cannot parse the override {arg!r}; quote values with special characters, e.g. "
+                         "'reward=[accuracy,format]' or 'data.system_prompt=\"Be brief.\"'.")
+    hints.append("`grpo-train --cfg job` prints the composed config with every key; `grpo-train --help` "
+                 "lists each group's options.")
+    return "\n".join(["grpo-train: invalid command line:"] + [f"  {line.strip()}" for line in keep] + hints)
+
+
+def _unparsable_overrides(args: list[str]) -> list[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    bad = []
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        try:
+            parser.parse_override(arg)
+        except Exception:  # noqa: BLE001 - any parse failure names the culprit
+            bad.append(arg)
+    return bad
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted(signal.Signals(signum).name, 128 + signum)
 
 
 def main() -> None:
+    # Until the engine takes over (it finishes the current step and saves), SIGINT/SIGTERM
+    # stop at once: nothing has been trained, so nothing is saved.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, _interrupt)
+        except ValueError:  # not the main thread
+            pass
+    _note_preexisting(sys.argv[1:])
+    _STDERR.start()
     try:
         _train()
     except SystemExit as exc:
+        captured = _STDERR.release()
         # Hydra reports composition errors (bad type, unknown key or option) and exits 1
         # before our task starts; those are user errors like any other: exit 2.
         if exc.code == 1 and not _task_started:
+            print(_explain_compose_error(captured), file=sys.stderr, flush=True)
             sys.exit(2)
+        sys.stderr.write(captured)
         raise
+    except Interrupted as exc:
+        sys.stderr.write(_STDERR.release())
+        print(f"grpo-train: stopped by {exc.signal_name} "
+              + ("after training; its checkpoints are kept." if _training_started else
+                 "before training started; nothing was saved."), file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    finally:
+        sys.stderr.write(_STDERR.release())
 
 
 if __name__ == "__main__":
