@@ -57,6 +57,34 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def read_data(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
+    """The training and held-out rows that cfg.data names (no tokenizer needed)."""
+    d = cfg.data
+    return read_rows(source=d.source, path=d.path, subset=d.subset, split=d.split, eval_split=d.eval_split,
+                     eval_size=d.eval_size, prompt_column=d.prompt_column, num_examples=d.num_examples,
+                     max_operand=d.max_operand, max_multiplier=d.max_multiplier,
+                     operations=list(d.operations), seed=cfg.trainer.seed)
+
+
+def build_tokenizer(cfg: DictConfig, log) -> tuple[ModelSource, Any]:
+    """Where cfg.model's weights come from (printing the source) and its tokenizer."""
+    m = cfg.model
+    source = resolve_source(m.name_or_path, m.gguf_file, offline_wheel=m.offline_wheel,
+                            offline_gguf=m.offline_gguf, log=log)
+    tokenizer = load_tokenizer(source, chat_template=m.chat_template, tokenizer_path=m.tokenizer,
+                               revision=m.revision, trust_remote_code=m.trust_remote_code)
+    return source, tokenizer
+
+
+def build_data(cfg: DictConfig, rows: tuple[list[dict], list[dict]], tokenizer):
+    """Tokenised prompts (chat template, long-prompt rule) from the rows of read_data."""
+    d = cfg.data
+    return build_prompts(*rows, tokenizer=tokenizer, source=d.source, path=d.path,
+                         prompt_column=d.prompt_column, system_prompt=d.system_prompt,
+                         use_chat_template=d.use_chat_template, long_prompts=d.long_prompts,
+                         max_prompt_length=cfg.sampler.max_prompt_length)
+
+
 def run(cfg: DictConfig, run_dir: Path, on_start=None) -> dict[str, Any]:
     """Build everything from the config (fail on bad input before heavy work), then train.
 
@@ -77,25 +105,16 @@ def run(cfg: DictConfig, run_dir: Path, on_start=None) -> dict[str, Any]:
         changed = ckpt.check_resume_config(resume_from, resolved)
         state, opt_state, sched_state = ckpt.load_training_state(resume_from)
     d = cfg.data
-    train_rows, eval_rows = read_rows(source=d.source, path=d.path, subset=d.subset, split=d.split,
-                                      eval_split=d.eval_split, eval_size=d.eval_size, prompt_column=d.prompt_column,
-                                      num_examples=d.num_examples, max_operand=d.max_operand,
-                                      max_multiplier=d.max_multiplier, operations=list(d.operations), seed=t.seed)
+    train_rows, eval_rows = read_data(cfg)
     _check_reward_columns(rewards, train_rows + eval_rows, d)
     random.seed(t.seed)
     torch.manual_seed(t.seed)
     _seed_numpy(t.seed)
 
-    source = resolve_source(cfg.model.name_or_path, cfg.model.gguf_file, offline_wheel=cfg.model.offline_wheel,
-                            offline_gguf=cfg.model.offline_gguf, log=logger_console.print)
+    source, tokenizer = build_tokenizer(cfg, logger_console.print)
     logger_console.print(f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}")
     model_kw = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-    tokenizer = load_tokenizer(source, chat_template=cfg.model.chat_template,
-                               tokenizer_path=cfg.model.tokenizer, **model_kw)
-    data = build_prompts(train_rows, eval_rows, tokenizer=tokenizer, source=d.source, path=d.path,
-                         prompt_column=d.prompt_column, system_prompt=d.system_prompt,
-                         use_chat_template=d.use_chat_template, long_prompts=d.long_prompts,
-                         max_prompt_length=s.max_prompt_length)
+    data = build_data(cfg, (train_rows, eval_rows), tokenizer)
     logger_console.print(
         f"data: {len(data.train)} training prompts, {len(data.eval)} held-out"
         + (f"; {data.dropped} dropped as longer than max_prompt_length={s.max_prompt_length}" if data.dropped else "")

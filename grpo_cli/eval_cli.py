@@ -62,28 +62,21 @@ def compose_config(overrides: list[str], checkpoint: str | None):
 
 
 def evaluate_model(cfg, *, samples: int, num_prompts: int | None, log=print) -> dict:
-    from grpo_cli.data import load_prompts
-    from grpo_cli.engine import eos_token_ids
+    from grpo_cli.engine import build_data, build_tokenizer, eos_token_ids, read_data
     from grpo_cli.evaluate import score_examples
-    from grpo_cli.models import autocast, load_model, load_tokenizer, resolve_device, resolve_precision, resolve_source
+    from grpo_cli.models import autocast, load_model, resolve_device, resolve_precision
     from grpo_cli.rewards import build_rewards
     from grpo_cli.rollout import sample
 
-    t, s, d = cfg.trainer, cfg.sampler, cfg.data
+    t, s = cfg.trainer, cfg.sampler
     rewards = build_rewards(OmegaConf.to_container(cfg.reward, resolve=True))
     device = resolve_device(t.device)
     precision = resolve_precision(t.precision, device)
-    source = resolve_source(cfg.model.name_or_path, cfg.model.gguf_file, offline_wheel=cfg.model.offline_wheel,
-                            offline_gguf=cfg.model.offline_gguf, log=log)
+    rows = read_data(cfg)
+    source, tokenizer = build_tokenizer(cfg, log)
     log(f"grpo-eval device={device} precision={precision.name} model: {source.description}")
     kw = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-    tokenizer = load_tokenizer(source, chat_template=cfg.model.chat_template, tokenizer_path=cfg.model.tokenizer, **kw)
-    data = load_prompts(tokenizer=tokenizer, source=d.source, path=d.path, subset=d.subset, split=d.split,
-                        eval_split=d.eval_split, eval_size=d.eval_size, prompt_column=d.prompt_column,
-                        system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
-                        long_prompts=d.long_prompts, max_prompt_length=s.max_prompt_length,
-                        num_examples=d.num_examples, max_operand=d.max_operand,
-                        max_multiplier=d.max_multiplier, operations=list(d.operations), seed=t.seed)
+    data = build_data(cfg, rows, tokenizer)
     examples = data.eval[:num_prompts] if num_prompts else data.eval
     if not examples:
         raise UserError("the held-out split is empty; set data.eval_size > 0 (or data.eval_split).")

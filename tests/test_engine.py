@@ -15,8 +15,10 @@ TINY = ["model=tiny", "data.num_examples=64", "data.eval_size=8", "sampler.num_g
         "sampler.max_new_tokens=8", "trainer.quiet=true"]
 
 
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run_dir, training_only=True):
+    """metrics.jsonl rows; the step-0 row of trainer.eval_before holds only eval metrics."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward" in r] if training_only else rows
 
 
 def flat_params(model):
@@ -39,6 +41,8 @@ def test_console_script_trains_checkpoints_and_resumes(tmp_path):
     assert "self-check ok" in res.stdout
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    before = read_metrics(run_dir, training_only=False)[0]
+    assert before["step"] == 0 and "eval/reward" in before  # trainer.eval_before (on by default)
     for row in rows:
         for key, value in row.items():
             if isinstance(value, float):
