@@ -282,6 +282,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             log.log({"step": 0, **before})
         for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
+            phase = dict.fromkeys(("rollout", "reward", "reference", "policy", "optimizer"), 0.0)
 
             # 1. Sample G completions per prompt and score them. Dynamic sampling (DAPO) drops
             #    groups whose rewards are all equal and samples more prompts to fill the step.
@@ -290,12 +291,16 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             for attempt in range(max_sampling_tries if dynamic_sampling else 1):
                 need = prompts_per_step - len(kept_examples)
                 examples = stream.take(need)
+                tick = time.perf_counter()
                 policy.eval()
                 with autocast(device, precision):
                     rollout = sample(policy, [ex.prompt_ids for ex in examples], eos_ids=eos_ids,
                                      pad_id=pad_id, **sampling)
                 policy.train()
+                phase["rollout"] += time.perf_counter() - tick
+                tick = time.perf_counter()
                 texts, total, per_reward = score_examples(rewards, tokenizer, examples, rollout, G)
+                phase["reward"] += time.perf_counter() - tick
                 rewards_t = torch.tensor(total, dtype=torch.float32)  # [n*G]
                 spread = rewards_t.view(-1, G).std(-1, unbiased=False)  # [n]
                 zero = spread < advantage_kwargs["zero_std_threshold"]
@@ -331,6 +336,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             groups = N // G
             micro_rows = [torch.arange(i * G, min(i + micro_prompts, groups) * G, device=device)
                           for i in range(0, groups, micro_prompts)]
+            tick = time.perf_counter()
             ref_logps = torch.zeros_like(batch.sampler_logps) if ref is not None else None
             if ref is not None:
                 with torch.inference_mode(), autocast(device, precision):
@@ -340,6 +346,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                         ref_logps[rows, :mb[2].shape[1]] = token_logprobs(
                             ref, *mb, temperature=sampling["temperature"]).float()
                 ref_logps = ref_logps.clone()  # leave inference mode: usable in autograd
+            phase["reference"] += time.perf_counter() - tick
 
             # 4. num_iterations optimizer updates on this rollout, each accumulating the
             #    gradient over shuffled micro-batches. Old log-probs are the sampler's (ref 000.1).
@@ -351,6 +358,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             for iteration in range(num_iterations):
                 order = torch.randperm(len(micro_rows)).tolist()
                 loss_total = 0.0
+                tick = time.perf_counter()
                 for k in order:
                     rows = micro_rows[k]
                     p_ids, p_mask, c_ids, c_mask = trim_padding(batch.prompt_ids[rows], batch.prompt_mask[rows],
@@ -380,6 +388,8 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                         entropy_sum += float(entropy[valid].sum())
                         entropy_tokens += float(valid.sum())
 
+                phase["policy"] += time.perf_counter() - tick
+                tick = time.perf_counter()
                 # 5. Clip (log the pre-clip norm: what clip_grad_norm_ returns, ref 000.7), step.
                 #    A non-finite loss or gradient skips the update (weights stay as they were).
                 if scaler:
@@ -409,6 +419,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 applied += 1
+                phase["optimizer"] += time.perf_counter() - tick
             if applied and _nonfinite_params(policy):  # a finite gradient can still overflow the weights
                 _stop_diverged(policy, step, last_good_step, bad_log, max_bad_steps, save, run_dir, resume_hint, log)
 
@@ -440,6 +451,8 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                 "skipped_updates": len(faults),
                 "step_time": step_time,
                 "tokens_per_second": float(batch.completion_mask.sum()) / step_time,
+                # Where the step's time went (seconds); policy = forward+backward of all micro-batches.
+                **{f"time/{name}": seconds for name, seconds in phase.items()},
                 "pass_rate_hist": _pass_rate_histogram(per_reward_all, G),
             }
             if faults:

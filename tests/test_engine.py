@@ -51,8 +51,12 @@ def test_console_script_trains_checkpoints_and_resumes(tmp_path):
                 "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                 "completions/mean_length", "completions/min_length", "completions/max_length",
                 "completions/clipped_ratio", "entropy", "grad_norm", "learning_rate", "loss",
-                "step_time", "tokens_per_second", "pass_rate_hist"):
+                "step_time", "tokens_per_second", "pass_rate_hist", "time/rollout", "time/reward",
+                "time/reference", "time/policy", "time/optimizer"):
         assert key in rows[0], key
+    for row in rows:  # the phases are parts of the step, and beta > 0 here: every phase ran
+        phases = [row[k] for k in row if k.startswith("time/")]
+        assert all(p > 0 for p in phases) and sum(phases) <= row["step_time"], row
     assert "eval/reward" in rows[-1]
 
     ckpt = run_dir / "checkpoints" / "step-000003"
