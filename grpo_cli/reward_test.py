@@ -48,7 +48,7 @@ def _read_cases(path: str) -> list[dict]:
 
 
 def compose_reward_config(overrides: list[str], config_dir: str | None):
-    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -57,11 +57,9 @@ def compose_reward_config(overrides: list[str], config_dir: str | None):
 
     try:
         if config_dir:
-            # A user folder extends the shipped one: compose from it with the package on the search path.
-            overrides = overrides + [f"hydra.searchpath=[pkg://grpo_cli.conf]"]
-            ctx = initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3")
-        else:
-            ctx = initialize_config_module(config_module="grpo_cli.conf", version_base="1.3")
+            # A user folder adds config groups to the shipped ones, as grpo-train --config-dir does.
+            overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+        ctx = initialize_config_module(config_module="grpo_cli.conf", version_base="1.3")
         with ctx:
             cfg = compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as exc:

@@ -100,3 +100,19 @@ def test_reward_test_reads_a_file_and_reports_unknown_rewards(tmp_path):
     res = run_cli([console_script("grpo-reward-test"), "reward=[nope]", "-c", "1"], cwd=tmp_path)
     assert res.returncode == 2 and "accuracy, format, length" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_reward_test_uses_a_user_reward_yaml_from_config_dir(tmp_path):
+    from conftest import ROOT
+
+    (tmp_path / "conf" / "reward").mkdir(parents=True)
+    (tmp_path / "conf" / "reward" / "code.yaml").write_text(
+        "code:\n  fn: reward_fixtures:char_code\n  weight: 0.5\n")
+    res = run_cli([console_script("grpo-reward-test"), "reward=[accuracy,code]", "--config-dir",
+                   str(tmp_path / "conf"), "-c", "12", "--column", "answer=12"], cwd=tmp_path,
+                  env={"COLUMNS": "150", "PYTHONPATH": str(ROOT / "tests")})
+    assert res.returncode == 0, res.stderr
+    row = next(line for line in res.stdout.splitlines() if "'12'" in line)
+    cells = [c.strip() for c in row.split("│") if c.strip()]
+    code = float(sum(map(ord, "12")) % 7)
+    assert cells[-3:] == ["1", f"{code:g}", f"{1 + 0.5 * code:g}"]

@@ -611,7 +611,7 @@ def test_non_finite_loss_skips_the_update_then_stops_with_the_last_good_weights(
     good = load_params(tmp_path / "checkpoints" / "step-000002")
     stopped = load_params(tmp_path / "checkpoints" / "step-000005")
     assert all(torch.equal(good[k], stopped[k]) for k in good)
-    assert f"holds the last good weights (those of step 2" in message
+    assert "holds the last good weights (those of step 2" in message
     state = torch.load(tmp_path / "checkpoints" / "step-000005" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 5 and state["last_good_step"] == 2
 
