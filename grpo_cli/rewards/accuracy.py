@@ -299,18 +299,13 @@ def _score_one(text: str, gold: tuple, extract: str, strict: bool, timeout: int 
             return 0.0
         pick = ("boxed", contents[-1])
         candidates = [("boxed", c) for c in contents]
-    elif extract == "answer_tag":
-        contents = _ANSWER_TAG_RE.findall(text)
+    elif extract in ("answer_tag", "gsm8k"):
+        # <answer>...</answer> or "#### ...": the last one is the answer; strict checks them all.
+        contents = (_ANSWER_TAG_RE if extract == "answer_tag" else _GSM8K_RE).findall(text)
         if not contents:
             return 0.0
         pick = ("text", contents[-1])
         candidates = [c for content in contents for c in _candidates(content)] if strict else []
-    elif extract == "gsm8k":
-        lines = _GSM8K_RE.findall(text)
-        if not lines:
-            return 0.0
-        pick = ("text", lines[-1])
-        candidates = [c for line in lines for c in _candidates(line)] if strict else []
     else:  # last_number
         numbers = list(iter_numbers(text))
         if not numbers:
