@@ -3,13 +3,16 @@ temperature, 000.1 sampler log-probs)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_cli.logprobs import token_logprobs, trim_padding
+from grpo_cli import logprobs as logprobs_mod
+from grpo_cli.logprobs import shared_prompt_groups, token_logprobs, trim_padding
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.rollout import filter_logits, left_pad, sample
+from grpo_cli.rollout import draw, filter_logits, left_pad, sample
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,63 @@ def test_logprobs_do_not_change_when_batched_with_longer_sequences(tiny):
     torch.testing.assert_close(together[0, :n], alone[0, :n], atol=1e-5, rtol=1e-5)
 
 
+def _grouped_batch(tok, G=3):
+    """Two groups of G rows: each group repeats one prompt with G different completions."""
+    prompts, completions = [], []
+    for prompt in PROMPTS[:2]:
+        for c in ["5", "Hello there", "ok then!"][:G]:
+            prompts.append(tok(prompt)["input_ids"])
+            completions.append(tok(c, add_special_tokens=False)["input_ids"])
+    return batch_of(tok, prompts, completions)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prompt_forward_matches_full_rows_in_values_and_gradients(tiny, temperature, monkeypatch):
+    """The grouped path (each prompt run once, its KV cache shared by the group's completions)
+    gives the same log-probs and the same gradients as running every full row."""
+    model, tok = tiny
+    batch = _grouped_batch(tok)
+    assert shared_prompt_groups(batch[0], batch[1]) == 3
+
+    def logps_and_grads():
+        model.zero_grad()
+        logps = token_logprobs(model, *batch, temperature=temperature)
+        (logps * batch[3]).sum().backward()
+        return logps.detach(), [p.grad.clone() for p in model.parameters()]
+
+    shared, shared_grads = logps_and_grads()
+    monkeypatch.setattr(logprobs_mod, "shared_prompt_groups", lambda ids, mask: 1)
+    full, full_grads = logps_and_grads()
+    model.zero_grad()
+    valid = batch[3].bool()
+    torch.testing.assert_close(shared[valid], full[valid], atol=1e-5, rtol=1e-5)
+    for a, b in zip(shared_grads, full_grads):  # float rounding only: relative to the gradient's size
+        assert float((a - b).norm()) <= 1e-4 * float(b.norm()) + 1e-6, float((a - b).norm() / b.norm())
+    for i in range(valid.shape[0]):  # and both equal the one-sequence textbook computation
+        p = batch[0][i][batch[1][i].bool()].tolist()
+        c = batch[2][i][valid[i]].tolist()
+        torch.testing.assert_close(shared[i, :len(c)], slow_reference(model, p, c, temperature).detach(),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows,expected", [
+    ([[1, 2], [1, 2], [3, 4], [3, 4]], 2),   # two groups of two
+    ([[1, 2], [1, 2], [1, 2]], 3),           # one group
+    ([[1, 2], [3, 4], [5, 6]], 1),           # no sharing
+    ([[1, 2], [1, 2], [3, 4], [5, 6]], 1),   # runs of unequal length
+    ([[1, 2], [1, 2], [1, 2], [3, 4]], 1),   # 4 rows, first run of 3
+    ([[1, 2], [1, 2], [3, 4], [3, 5]], 1),   # second run differs inside
+])
+def test_shared_prompt_groups_detects_only_equal_runs(rows, expected):
+    ids = torch.tensor(rows)
+    assert shared_prompt_groups(ids, torch.ones_like(ids)) == expected
+
+
+def test_shared_prompt_groups_compares_masks_too():
+    ids = torch.tensor([[0, 2], [0, 2]])
+    assert shared_prompt_groups(ids, torch.tensor([[0, 1], [1, 1]])) == 1
+
+
 def test_temperature_is_honoured(tiny):
     model, tok = tiny
     batch = batch_of(tok, [tok(PROMPTS[0])["input_ids"]], [tok("12345", add_special_tokens=False)["input_ids"]])
@@ -103,23 +163,96 @@ def test_greedy_rollout_matches_generate(tiny):
     torch.testing.assert_close(r.completion_ids[:, :ref.shape[1]], ref)
 
 
+@pytest.fixture(scope="module")
+def spread_tiny():
+    """The tiny model sharpened less than `tiny`: a first-token distribution over ~20 tokens, so
+    histograms tell distributions apart."""
+    torch.manual_seed(0)
+    src = resolve_source("builtin:tiny")
+    model = load_model(src, device=torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model.eval(), load_tokenizer(src)
+
+
+def _pooled(counts: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0):
+    """Bins with fewer than min_expected counts pooled into one (the chi-square rule)."""
+    small = expected < min_expected
+    return (torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]),
+            torch.cat([expected[~small], expected[small].sum(0, keepdim=True)]))
+
+
+def _chi2_fits(counts: torch.Tensor, p: torch.Tensor) -> bool:
+    """Pearson's goodness-of-fit: counts drawn from p? Threshold df + 6 sqrt(2 df) (a false
+    alarm about once in a million runs)."""
+    obs, exp = _pooled(counts.float(), p * counts.sum())
+    keep = exp > 0
+    stat, df = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+    return stat < df + 6 * math.sqrt(2 * df)
+
+
+def _chi2_same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two-sample chi-square: histograms a and b (counts) from the same distribution?"""
+    ka, kb = math.sqrt(b.sum() / a.sum()), math.sqrt(a.sum() / b.sum())
+    obs_a, obs_b = _pooled(torch.stack([a.float(), b.float()], 1), (a + b).float() / 2)[0].unbind(1)
+    keep = obs_a + obs_b > 0
+    stat = float(((ka * obs_a[keep] - kb * obs_b[keep]) ** 2 / (obs_a[keep] + obs_b[keep])).sum())
+    df = int(keep.sum()) - 1
+    return stat < df + 6 * math.sqrt(2 * df)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.3, 5, 1.0)])
-def test_sampling_draws_the_same_tokens_as_generate_under_the_same_seed(tiny, temperature, top_k, top_p):
-    """Same distribution as generate: with the same seed the very same tokens are drawn."""
-    model, tok = tiny
-    prompts = [tok(p)["input_ids"] for p in PROMPTS[:2]]
-    torch.manual_seed(123)
-    r = sample(model, prompts, num_generations=4, max_new_tokens=12, temperature=temperature,
-               top_k=top_k, top_p=top_p, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
-    ids, mask = left_pad(prompts, tok.pad_token_id, "cpu")
-    torch.manual_seed(123)
-    ref = model.generate(input_ids=ids.repeat_interleave(4, 0), attention_mask=mask.repeat_interleave(4, 0),
-                         do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                         max_new_tokens=12, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
-    ours = r.completion_ids[:, :ref.shape[1]]
-    torch.testing.assert_close(ours[r.completion_mask[:, :ref.shape[1]].bool()],
-                               ref[r.completion_mask[:, :ref.shape[1]].bool()])
+def test_sampling_draws_from_the_same_distribution_as_generate(spread_tiny, temperature, top_k, top_p):
+    """5000 completions from our sampler and from generate: the first-token counts pass a
+    chi-square test against the exact tempered, truncated softmax, and the second-token
+    counts a two-sample test against generate's. The same test rejects counts drawn at 1.25x
+    the temperature (asserted, so the test keeps its power)."""
+    model, tok = spread_tiny
+    prompt = tok(PROMPTS[0])["input_ids"]
+    n, V = 5000, model.config.vocab_size
+    torch.manual_seed(1)
+    ours = sample(model, [prompt], num_generations=n, max_new_tokens=2, temperature=temperature,
+                  top_k=top_k, top_p=top_p, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id).completion_ids
+    ids = torch.tensor([prompt])
+    theirs = model.generate(input_ids=ids.expand(n, -1).contiguous(), attention_mask=torch.ones(n, len(prompt), dtype=torch.long),
+                            do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_new_tokens=2, pad_token_id=tok.pad_token_id,
+                            eos_token_id=tok.eos_token_id)[:, len(prompt):]
+
+    def counts(tokens):
+        return torch.bincount(tokens, minlength=V)
+
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -1].float()
+    exact = filter_logits(logits / temperature, top_k, top_p).softmax(-1)[0]
+    wrong = filter_logits(logits / (temperature * 1.25), top_k, top_p).softmax(-1)[0]
+    wrong_draws = draw(wrong.expand(n, -1), torch.Generator().manual_seed(2))
+    assert not _chi2_fits(counts(wrong_draws), exact)  # the test can see a wrong temperature
+    assert _chi2_fits(counts(ours[:, 0]), exact)
+    assert _chi2_fits(counts(theirs[:, 0]), exact)
+    assert not torch.isinf(exact.log()[ours[:, 0]]).any()  # never a token outside top-k/top-p
+    # Second token, rows whose first token was not EOS (generate keeps going after EOS).
+    a = ours[ours[:, 0] != tok.eos_token_id, 1]
+    b = theirs[theirs[:, 0] != tok.eos_token_id, 1]
+    assert _chi2_same(counts(a), counts(b))
+
+
+@pytest.mark.parametrize("probs", [
+    [0.5, 0.3, 0.15, 0.05],
+    [0.0, 1.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 1.0],
+    [0.25, 0.0, 0.25, 0.5],
+    [1e-3] * 1000,
+])
+def test_draw_samples_each_token_with_its_probability(probs):
+    p = torch.tensor([probs]) / sum(probs)
+    n = 100_000
+    tokens = draw(p.expand(n, -1), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=p.shape[1]).float() / n
+    sigma = (p[0] * (1 - p[0]) / n).sqrt()
+    assert ((freq - p[0]).abs() <= 5 * sigma + 1e-9).all()
+    assert (freq[p[0] == 0] == 0).all()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
