@@ -59,6 +59,21 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs [N, V], by inverting the CDF with one uniform per row.
+
+    The same distribution as torch.multinomial (tested against generate's sampler), at a
+    fraction of its cost: multinomial draws an exponential variate for every vocabulary entry
+    (about 40 ms per step for 32 rows x 49k tokens on a 2-core CPU), this draws one number per
+    row and does a cumsum and a binary search. Zero-probability tokens are never drawn: the
+    search returns the first index whose cumulative mass exceeds u.
+    """
+    cdf = probs.cumsum(-1)  # [N, V]
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+    return token.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # (u * total may round up to total)
+
+
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tokens: int,
            temperature: float, top_p: float = 1.0, top_k: int = 0, eos_ids: list[int],
@@ -67,26 +82,28 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)  # [B, P]
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+    unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
+    # Each prompt is prefilled once; its KV cache is then shared by its G completions.
+    cache = DynamicCache()
+    out = model(input_ids=unique_ids, attention_mask=unique_mask, position_ids=position_ids_from_mask(unique_mask),
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(num_generations)
+    logits = out.logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
+    prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+    prompt_mask = unique_mask.repeat_interleave(num_generations, dim=0)
     N = prompt_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
 
     attention_mask = prompt_mask
     position_ids = position_ids_from_mask(attention_mask)
-    cache = DynamicCache()
-    out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
     tokens, logps = [], []
     finished = torch.zeros(N, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        logits = out.logits[:, -1, :].float() / temperature  # [N, V]
+        logits = logits.float() / temperature  # [N, V]
         if greedy:
             token = logits.argmax(-1)  # [N]
         else:
-            probs = filter_logits(logits, top_k, top_p).softmax(-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
+            token = draw(filter_logits(logits, top_k, top_p).softmax(-1), generator)  # [N]
         # Log-prob under the tempered, untruncated distribution: the one the trainer scores
         # (logprobs.token_logprobs), so ratio == 1 before any update (ref 000.1, 000.4).
         logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
@@ -98,8 +115,8 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
         position_ids = position_ids[:, -1:] + 1
-        out = model(input_ids=token[:, None], attention_mask=attention_mask,
-                    position_ids=position_ids, past_key_values=cache, use_cache=True)
+        logits = model(input_ids=token[:, None], attention_mask=attention_mask,
+                       position_ids=position_ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
 
     completion_ids = torch.stack(tokens, dim=1)  # [N, C]
     is_eos = torch.isin(completion_ids, eos)  # [N, C]

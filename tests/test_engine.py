@@ -87,9 +87,12 @@ def test_dynamic_sampling_refills_the_step_with_groups_that_carry_signal(compose
 
 
 @pytest.mark.parametrize("mask_truncated", [True, False])
-def test_truncated_completions_are_masked_when_asked(compose, tmp_path, mask_truncated):
-    # 3 new tokens: the random tiny model never emits EOS that fast, so every completion is
+def test_truncated_completions_are_masked_when_asked(compose, tmp_path, monkeypatch, mask_truncated):
+    # No token ends a completion (EOS is an id outside the vocabulary), so every completion is
     # truncated; masking them leaves no token in the loss and no gradient.
+    import grpo_cli.engine
+
+    monkeypatch.setattr(grpo_cli.engine, "eos_token_ids", lambda tokenizer, model: [10**6])
     cfg = compose(TINY + ["reward=[]", "+reward.code.fn=reward_fixtures:char_code",
                           "sampler.max_new_tokens=3", "trainer.max_steps=1", "loss.beta=0",
                           f"loss.mask_truncated_completions={str(mask_truncated).lower()}",
