@@ -6,6 +6,10 @@ folder once and passes it down.
 Every way a run can end is a short message and a documented exit status (grpo_cli/errors.py),
 never a traceback for bad input: Hydra's own composition errors (bad type, unknown key or
 option, an output folder that cannot be created) are caught here too and reworded.
+
+However a run ends, once it has metrics its curves are drawn (metrics.png). In a sweep
+(`grpo-train -m`) a failing job does not stop the others (grpo_cli/jobs.py); the sweep ends with
+a summary and exits non-zero when a job failed.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from grpo_cli import plots
 from grpo_cli.config import Config, register_configs, validate
 from grpo_cli.errors import EXIT_DIVERGED, Interrupted, TrainingDiverged, UserError, first_line, report_and_exit
+from grpo_cli.jobs import RunFailed, Sweep
 
 # One id per process: two runs started in the same second get different folders.
 _RUN_ID = f"{os.getpid()}{secrets.token_hex(2)}"
@@ -34,6 +41,7 @@ register_configs()
 _task_started = False
 _training_started = False
 _PREEXISTING: set[Path] = set()
+_SWEEP = Sweep()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -91,29 +99,51 @@ def _train(cfg: DictConfig) -> None:
     sys.stderr.write(_STDERR.release())  # whatever Hydra printed while composing (warnings)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        # One job of a sweep: its failure is recorded and the next job runs (grpo_cli/jobs.py).
+        _SWEEP.run_job(lambda: _run(cfg, run_dir, overrides, in_sweep=True), sweep_dir=Path(hydra_cfg.sweep.dir),
+                       run_dir=run_dir, overrides=overrides, num=hydra_cfg.job.num)
+        return
+    try:
+        _run(cfg, run_dir, overrides, in_sweep=False)
+    except RunFailed as exc:
+        report_and_exit(exc.title, exc.problems, code=exc.code)
+
+
+def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool) -> None:
+    """Validate, build and train; a failure worded for the user is raised as RunFailed. A single
+    run that fails on bad input leaves no files; a sweep job keeps its folder for its status."""
     problems = validate(cfg)
     if problems:
-        _remove_if_empty(run_dir)
-        report_and_exit("grpo-train: invalid configuration", problems)
-    overrides = list(hydra_cfg.overrides.task)
+        if not in_sweep:
+            _remove_if_empty(run_dir)
+        raise RunFailed("grpo-train: invalid configuration", problems)
+    started = False
     try:
         from grpo_cli.engine import run
 
         # The run record is written once everything is built, right before the first step.
         def on_start() -> None:
             global _training_started
+            nonlocal started
             save_run_record(cfg, run_dir, overrides)
-            _training_started = True
+            _training_started = started = True
 
         run(cfg, run_dir, on_start=on_start)
     except UserError as exc:
-        _discard_if_nothing_trained(run_dir)
-        report_and_exit("grpo-train", [str(exc)])
+        if not in_sweep:
+            _discard_if_nothing_trained(run_dir)
+        raise RunFailed("grpo-train", [str(exc)]) from exc
     except TrainingDiverged as exc:
-        report_and_exit("grpo-train: training stopped", [str(exc)], code=EXIT_DIVERGED)
+        raise RunFailed("grpo-train: training stopped", [str(exc)], code=EXIT_DIVERGED) from exc
     except Interrupted:
-        _discard_if_nothing_trained(run_dir)
+        if not in_sweep:
+            _discard_if_nothing_trained(run_dir)
         raise
+    finally:  # however a run that trained ended: its curves (a failure here only warns)
+        if started:
+            plots.draw_safely(plots.draw_run, run_dir, prog="grpo-train")
 
 
 # ----------------------------------------------------------------------------- before the task
@@ -264,15 +294,26 @@ def main() -> None:
             print(_explain_compose_error(captured), file=sys.stderr, flush=True)
             sys.exit(2)
         sys.stderr.write(captured)
+        _SWEEP.finish(stopped_by=_stop_reason(exc.code))  # a sweep stopped early: summarise the jobs that ran
         raise
     except Interrupted as exc:
         sys.stderr.write(_STDERR.release())
         print(f"grpo-train: stopped by {exc.signal_name} "
               + ("after training; its checkpoints are kept." if _training_started else
                  "before training started; nothing was saved."), file=sys.stderr, flush=True)
+        _SWEEP.finish(stopped_by=exc.signal_name)
         sys.exit(exc.exit_code)
     finally:
         sys.stderr.write(_STDERR.release())
+    code = _SWEEP.finish()  # a sweep: its summary; non-zero when a job failed
+    if code:
+        sys.exit(code)
+
+
+def _stop_reason(code) -> str:
+    if code in (130, 143):
+        return signal.Signals(code - 128).name
+    return f"exit status {code}"
 
 
 if __name__ == "__main__":
