@@ -8,6 +8,7 @@ once, before any model or dataset is loaded. YAML keys equal the parameter names
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -120,6 +121,9 @@ class TrainerConfig:
     # A step whose loss or gradient is not finite skips its optimizer update; this many in a row
     # stop the run with a checkpoint of the last good weights and a diagnosis (exit 3).
     max_bad_steps: int = 3
+    # Where metrics go: jsonl (metrics.jsonl, always: plots, summaries and resume read it) and
+    # optionally tensorboard (<run folder>/tensorboard; needs pip install 'grpo-cli[tensorboard]').
+    report_to: List[str] = field(default_factory=lambda: ["jsonl"])
 
 
 @dataclass
@@ -255,6 +259,7 @@ def validate(cfg: Any) -> list[str]:
         problems.append(f"trainer.device={tr.device!r} must be auto, cpu, cuda or cuda:N.")
     if tr.resume not in (None, "auto") and not str(tr.resume).strip():
         problems.append("trainer.resume is empty; use auto, a checkpoint folder, or null.")
+    problems.extend(_validate_report_to(list(tr.report_to)))
 
     if cfg.data.source in ("file", "hub") and not cfg.data.path:
         problems.append(
@@ -275,6 +280,26 @@ def validate(cfg: Any) -> list[str]:
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
 
     problems.extend(_validate_rewards(cfg.reward))
+    return problems
+
+
+REPORTERS = ("jsonl", "tensorboard")
+
+
+def _validate_report_to(report_to: list[str]) -> list[str]:
+    problems = []
+    shown = f"trainer.report_to=[{','.join(map(str, report_to))}]"
+    unknown = [str(name) for name in report_to if name not in REPORTERS]
+    if unknown:
+        problems.append(f"{shown}: unknown {'name' if len(unknown) == 1 else 'names'} {', '.join(unknown)}; the "
+                        f"valid names are {', '.join(REPORTERS)} (e.g. trainer.report_to=[jsonl,tensorboard]).")
+    if "jsonl" not in report_to:
+        problems.append(f"{shown} must include jsonl: metrics.jsonl is what the plots, sweep summaries and "
+                        "trainer.resume read; e.g. trainer.report_to=[jsonl,tensorboard].")
+    if "tensorboard" in report_to and find_spec("tensorboard") is None:
+        problems.append("trainer.report_to includes tensorboard, but the tensorboard package is not installed; "
+                        "install it with: pip install 'grpo-cli[tensorboard]' (or pip install tensorboard), "
+                        "or drop it: trainer.report_to=[jsonl].")
     return problems
 
 

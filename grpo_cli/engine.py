@@ -182,7 +182,7 @@ def run(cfg: DictConfig, run_dir: Path, on_start=None) -> dict[str, Any]:
             max_sampling_tries=t.max_sampling_tries, self_check=t.self_check and not resume_from,
             eval_before=t.eval_before and not resume_from,
             quiet=t.quiet, max_bad_steps=t.max_bad_steps,
-            resume_state=state,
+            resume_state=state, report_to=tuple(t.report_to),
         )
     except Interrupted as exc:  # a second signal: the step in progress (or the save) is abandoned
         found = ckpt.list_checkpoints(run_dir)
@@ -238,7 +238,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
           num_iterations: int, max_grad_norm: float, logging_steps: int, save_steps: int,
           eval_steps: int, keep_last: int, dynamic_sampling: bool, max_sampling_tries: int,
           self_check: bool, quiet: bool, eval_before: bool = False, max_bad_steps: int = 3,
-          resume_state: dict | None = None) -> dict[str, Any]:
+          resume_state: dict | None = None, report_to: tuple[str, ...] = ("jsonl",)) -> dict[str, Any]:
     G = sampling["num_generations"]
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(tokenizer, policy)
@@ -274,7 +274,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                             top_k=sampling["top_k"], eos_ids=eos_ids, pad_id=pad_id, greedy=True)
 
     resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
-    log = MetricsLogger(run_dir, total_steps=total_steps, quiet=quiet, resume_step=start_step)
+    log = MetricsLogger(run_dir, total_steps=total_steps, quiet=quiet, resume_step=start_step, report_to=report_to)
     before: dict[str, float] = {}
     with log, stop:
         if eval_before and eval_examples:

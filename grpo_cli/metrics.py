@@ -1,4 +1,5 @@
-"""Metrics rows: `metrics.jsonl` in the run folder, a rich progress bar and a compact table."""
+"""Metrics rows: `metrics.jsonl` in the run folder (and TensorBoard scalars under the same names,
+with trainer.report_to=[jsonl,tensorboard]), a rich progress bar and a compact table."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -33,7 +34,7 @@ class MetricsLogger:
     so the file reads as if the run had never stopped."""
 
     def __init__(self, run_dir: Path, *, total_steps: int, quiet: bool, table_every: int = 10,
-                 resume_step: int = 0):
+                 resume_step: int = 0, report_to: Sequence[str] = ("jsonl",)):
         self.path = run_dir / "metrics.jsonl"
         self.quiet = quiet
         self.table_every = table_every
@@ -51,6 +52,7 @@ class MetricsLogger:
         except OSError as exc:
             raise _write_error(self.path, exc) from exc
         self._pending: list[dict] = []
+        self.tensorboard = TensorBoard(run_dir / "tensorboard", resume_step) if "tensorboard" in report_to else None
         self.progress = Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
@@ -64,6 +66,8 @@ class MetricsLogger:
 
     def __exit__(self, *exc):
         self.progress.stop()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         return False
 
     def log(self, row: dict[str, Any]) -> None:
@@ -74,6 +78,8 @@ class MetricsLogger:
                 fh.write(json.dumps(clean, allow_nan=True) + "\n")
         except OSError as exc:
             raise _write_error(self.path, exc) from exc
+        if self.tensorboard is not None:
+            self.tensorboard.log(clean)
         self.rows.append(clean)
         self._pending.append(clean)
         if "reward" in clean:
@@ -103,6 +109,32 @@ class MetricsLogger:
     def warn(self, text: str) -> None:
         """Warnings and stop messages: to stderr, plain text, even with trainer.quiet=true."""
         print(text, file=sys.stderr, flush=True)
+
+
+class TensorBoard:
+    """Each row's numbers as TensorBoard scalars, named as in metrics.jsonl, in `log_dir`."""
+
+    def __init__(self, log_dir: Path, resume_step: int = 0):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise UserError(f"trainer.report_to includes tensorboard, but it cannot be imported ({first_line(exc)}); "
+                            "install it with: pip install 'grpo-cli[tensorboard]', or drop it: "
+                            "trainer.report_to=[jsonl].") from exc
+        try:
+            # A resumed run hides the events logged after its checkpoint, as metrics.jsonl drops those rows.
+            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None)
+        except OSError as exc:
+            raise _write_error(log_dir, exc) from exc
+
+    def log(self, row: dict[str, Any]) -> None:
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, global_step=row["step"])
+        self.writer.flush()  # readable while the run goes on
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _step_of(line: str) -> int:
