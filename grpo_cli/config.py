@@ -64,6 +64,8 @@ class SamplerConfig:
     top_k: int = 0  # 0 disables top-k
     max_new_tokens: int = 32
     max_prompt_length: int = 256
+    # Sample max_new_tokens for every completion, EOS or not (benchmarks: equal token counts).
+    ignore_eos: bool = False
 
 
 @dataclass

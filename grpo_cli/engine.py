@@ -42,8 +42,12 @@ def build_optimizer(model, *, name: str, learning_rate: float, weight_decay: flo
     from transformers import get_scheduler
 
     params = [p for p in model.parameters() if p.requires_grad]
+    # The fused kernel (one pass over each tensor) is the same update as the default multi-tensor
+    # one, about 5x faster on a CPU (0.13 s vs 0.68 s a step for 135M parameters here).
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                for p in params)
     optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(adam_beta1, adam_beta2),
-                                  eps=adam_epsilon, weight_decay=weight_decay)
+                                  eps=adam_epsilon, weight_decay=weight_decay, fused=fused or None)
     scheduler = get_scheduler(lr_scheduler, optimizer, num_warmup_steps=warmup_steps,
                               num_training_steps=total_updates)
     return optimizer, scheduler
@@ -167,6 +171,7 @@ def run(cfg: DictConfig, run_dir: Path, on_start=None) -> dict[str, Any]:
             rewards=rewards, optimizer=optimizer, scheduler=scheduler, device=device,
             precision=precision, run_dir=run_dir, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
             start_step=start_step, total_steps=total_steps,
+            ignore_eos=s.ignore_eos,
             sampling=dict(num_generations=s.num_generations, max_new_tokens=s.max_new_tokens,
                           temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
             advantage_kwargs=dict(scale_rewards=lo.scale_rewards, std=lo.std, eps=lo.eps,
@@ -238,7 +243,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
           num_iterations: int, max_grad_norm: float, logging_steps: int, save_steps: int,
           eval_steps: int, keep_last: int, dynamic_sampling: bool, max_sampling_tries: int,
           self_check: bool, quiet: bool, eval_before: bool = False, max_bad_steps: int = 3,
-          resume_state: dict | None = None, report_to: tuple[str, ...] = ("jsonl",)) -> dict[str, Any]:
+          resume_state: dict | None = None, ignore_eos: bool = False, report_to: tuple[str, ...] = ("jsonl",)) -> dict[str, Any]:
     G = sampling["num_generations"]
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(tokenizer, policy)
@@ -294,7 +299,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                 tick = time.perf_counter()
                 policy.eval()
                 with autocast(device, precision):
-                    rollout = sample(policy, [ex.prompt_ids for ex in examples], eos_ids=eos_ids,
+                    rollout = sample(policy, [ex.prompt_ids for ex in examples], eos_ids=[] if ignore_eos else eos_ids,
                                      pad_id=pad_id, **sampling)
                 policy.train()
                 phase["rollout"] += time.perf_counter() - tick
@@ -440,6 +445,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                 "clip_ratio/region_mean": stats_sum.get("clip_ratio/region_mean", 0.0) / n_tok,
                 "ratio_mean": stats_sum.get("ratio_mean", 0.0) / n_tok,
                 "ratio_max": ratio_max,
+                "prompts/mean_length": float(batch.prompt_mask.sum(-1).float().mean()),
                 "completions/mean_length": float(lengths.mean()),
                 "completions/min_length": float(lengths.min()),
                 "completions/max_length": float(lengths.max()),

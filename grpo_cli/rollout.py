@@ -92,7 +92,7 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
     prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = unique_mask.repeat_interleave(num_generations, dim=0)
     N = prompt_ids.shape[0]
-    eos = torch.tensor(sorted(set(eos_ids)), device=device)
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)  # may be empty
 
     attention_mask = prompt_mask
     position_ids = position_ids_from_mask(attention_mask)

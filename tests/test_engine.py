@@ -87,19 +87,45 @@ def test_dynamic_sampling_refills_the_step_with_groups_that_carry_signal(compose
 
 
 @pytest.mark.parametrize("mask_truncated", [True, False])
-def test_truncated_completions_are_masked_when_asked(compose, tmp_path, monkeypatch, mask_truncated):
-    # No token ends a completion (EOS is an id outside the vocabulary), so every completion is
-    # truncated; masking them leaves no token in the loss and no gradient.
-    import grpo_cli.engine
-
-    monkeypatch.setattr(grpo_cli.engine, "eos_token_ids", lambda tokenizer, model: [10**6])
+def test_truncated_completions_are_masked_when_asked(compose, tmp_path, mask_truncated):
+    # sampler.ignore_eos: every completion runs to max_new_tokens and counts as truncated;
+    # masking them leaves no token in the loss and no gradient.
     cfg = compose(TINY + ["reward=[]", "+reward.code.fn=reward_fixtures:char_code",
-                          "sampler.max_new_tokens=3", "trainer.max_steps=1", "loss.beta=0",
+                          "sampler.max_new_tokens=3", "sampler.ignore_eos=true", "trainer.max_steps=1", "loss.beta=0",
                           f"loss.mask_truncated_completions={str(mask_truncated).lower()}",
                           "data.eval_size=0"])
     row = run(cfg, tmp_path)
     assert row["completions/clipped_ratio"] == 1.0
+    assert row["completions/min_length"] == row["completions/max_length"] == 3.0
     if mask_truncated:
         assert row["grad_norm"] == 0.0
     else:
         assert row["grad_norm"] > 0.0
+
+
+def test_optimizer_is_fused_adamw_with_the_plain_update():
+    """build_optimizer uses the fused AdamW kernel (fast on CPU); its update equals the plain
+    single-tensor AdamW's, scheduler included."""
+    from grpo_cli.engine import build_optimizer
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    start = models[0][0].weight.detach().clone()
+    kw = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8)
+    ours, sched = build_optimizer(models[0], name="adamw", lr_scheduler="linear", warmup_steps=1,
+                                  total_updates=5, **kw)
+    assert ours.defaults["fused"]
+    plain = torch.optim.AdamW(models[1].parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                              foreach=False)
+    plain_sched = torch.optim.lr_scheduler.LambdaLR(plain, sched.lr_lambdas[0])
+    for _ in range(4):
+        x = torch.randn(8, 16)
+        for model, opt, sch in ((models[0], ours, sched), (models[1], plain, plain_sched)):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            sch.step()
+            opt.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert (models[0][0].weight - start).abs().max() > 1e-3  # it did train
