@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from grpo_cli import plots
 from grpo_cli.errors import EXIT_USER_ERROR, Interrupted, first_line
-from grpo_cli.summary import STATUS_FILE, print_summary, summarise_sweep, write_atomic, write_summary
+from grpo_cli.summary import STATUS_FILE, jobs, print_summary, summarise_sweep, write_atomic, write_summary
 
 EXIT_INTERRUPTED = (130, 143)  # 128 + SIGINT, 128 + SIGTERM
 
@@ -136,7 +136,7 @@ class Sweep:
             return 0
         sweep_dir, self.dir = self.dir, None
         summary = summarise_sweep(sweep_dir, statuses=self.jobs, run_dirs=list(self.jobs))
-        title = f"sweep {sweep_dir}: {len(self.jobs)} jobs" + (
+        title = f"sweep {sweep_dir}: {jobs(len(self.jobs))}" + (
             f" (stopped by {stopped_by}; the jobs after the last one did not run)" if stopped_by else "")
         print_summary(summary, title)
         written = []

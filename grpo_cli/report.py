@@ -15,8 +15,8 @@ from pathlib import Path
 
 from grpo_cli import plots
 from grpo_cli.errors import EXIT_USER_ERROR, first_line
-from grpo_cli.summary import (METRICS_FILE, is_run_dir, is_sweep_dir, print_summary, read_metrics, summarise,
-                              summarise_sweep, write_summary)
+from grpo_cli.summary import (METRICS_FILE, is_run_dir, is_sweep_dir, jobs, print_summary, read_metrics,
+                              summarise, summarise_sweep, write_summary)
 
 PROG = "grpo-report"
 WHERE = ("Give a folder that grpo-train wrote: a run folder (outputs/<date>/<time>-<id>, holding metrics.jsonl) "
@@ -50,7 +50,7 @@ def _warn(text: str) -> None:
 def report_sweep(sweep_dir: Path) -> list[Path]:
     """Print the sweep's table; write its summary files, its overlaid plot and each job's plot."""
     summary = summarise_sweep(sweep_dir)
-    print_summary(summary, f"sweep {sweep_dir}: {len(summary.rows)} jobs")
+    print_summary(summary, f"sweep {sweep_dir}: {jobs(len(summary.rows))}")
     written: list[Path] = []
     try:
         written += write_summary(summary, sweep_dir)

@@ -153,6 +153,7 @@ class Summary:
     rows: list[dict[str, Any]]
     common: list[str] = field(default_factory=list)  # overrides every run shares
     best: int | None = None  # index of the best row (highest final eval accuracy, then reward)
+    tie: bool = False  # several runs share the best values: none is named
     sweep_dir: Path | None = None
 
     @property
@@ -174,7 +175,8 @@ def summarise(run_dirs: list[Path], statuses: dict[Path, dict[str, Any]] | None 
     common = [o for o in rows[0]["overrides"] if all(o in row["overrides"] for row in rows)] if len(rows) > 1 else []
     for row in rows:
         row["label"] = " ".join(o for o in row["overrides"] if o not in common) or "(no overrides)"
-    return Summary(rows=rows, common=common, best=_best(rows), sweep_dir=sweep_dir)
+    best, tie = _best(rows)
+    return Summary(rows=rows, common=common, best=best, tie=tie, sweep_dir=sweep_dir)
 
 
 def summarise_sweep(sweep_dir: Path, statuses: dict[Path, dict[str, Any]] | None = None,
@@ -185,14 +187,21 @@ def summarise_sweep(sweep_dir: Path, statuses: dict[Path, dict[str, Any]] | None
     return summarise(dirs, statuses, no_status="unfinished", sweep_dir=Path(sweep_dir))
 
 
-def _best(rows: list[dict[str, Any]]) -> int | None:
+def _best(rows: list[dict[str, Any]]) -> tuple[int | None, bool]:
+    """The index of the best row (highest final eval accuracy, then final reward) among the
+    runs that did not fail, and whether several tie for it (then there is no best)."""
     def key(i: int) -> tuple[float, float]:
         row = rows[i]
         acc, reward = row["eval_accuracy_final"], row["reward_final"]
         return (acc if acc is not None else -math.inf, reward if reward is not None else -math.inf)
 
     candidates = [i for i, row in enumerate(rows) if row["status"] not in FAILED and row["reward_final"] is not None]
-    return max(candidates, key=key) if len(candidates) > 1 else None
+    if len(candidates) < 2:
+        return None, False
+    best = max(candidates, key=key)
+    if sum(key(i) == key(best) for i in candidates) > 1:
+        return None, True
+    return best, False
 
 
 # ----------------------------------------------------------------------------- writing
@@ -233,6 +242,10 @@ def write_summary(summary: Summary, folder: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- printing
+
+
+def jobs(n: int) -> str:
+    return f"{n} job" if n == 1 else f"{n} jobs"
 
 
 def _num(value: Any) -> str:
@@ -277,6 +290,8 @@ def table(summary: Summary, title: str) -> Table:
 def notes(summary: Summary) -> list[str]:
     """The lines under the table: the best run and why, and each failure's error."""
     lines = []
+    if summary.tie:
+        lines.append("no single best run: the top runs tie on final eval/accuracy and final reward")
     if summary.best is not None:
         row = summary.rows[summary.best]
         why = [f"{name} {_num(row[f'{prefix}_final'])}" for name, prefix in
@@ -286,7 +301,7 @@ def notes(summary: Summary) -> list[str]:
     for row in summary.failed:
         lines.append(f"job {row['job']} {row['status']}: {row['error'] or 'no error recorded'}")
     if summary.failed:
-        lines.append(f"{len(summary.failed)} of {len(summary.rows)} jobs did not complete: the sweep's exit "
+        lines.append(f"{len(summary.failed)} of {jobs(len(summary.rows))} did not complete: the sweep's exit "
                      f"status is {summary.exit_code} (the first of them).")
     return lines
 
