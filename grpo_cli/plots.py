@@ -131,7 +131,7 @@ def save_png(fig, path: Path) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, format="png", dpi=DPI, pil_kwargs={"optimize": True})
+        fig.savefig(tmp, format="png", dpi=DPI)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
