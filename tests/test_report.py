@@ -7,6 +7,7 @@ in-process on synthetic metrics.jsonl files.
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import shutil
 import sys
@@ -100,17 +101,20 @@ def test_a_failing_job_does_not_stop_the_sweep(failing_sweep):
     assert_png(folder / "summary.png")  # the job that trained
 
 
-def test_grpo_report_rerenders_a_finished_sweep(sweep, tmp_path):
+def test_grpo_report_rerenders_a_finished_sweep(sweep, tmp_path, capsys):
+    from grpo_cli import report
+
+    console_script("grpo-report")  # installed; run in-process here (same code, no new interpreter)
     copy = tmp_path / "copy"
     shutil.copytree(sweep[1], copy, ignore=shutil.ignore_patterns("checkpoints"))
     made = [copy / "summary.csv", copy / "summary.json", copy / "summary.png", copy / "0" / "metrics.png"]
     for path in made:
         path.unlink()
-    res = run_cli([console_script("grpo-report"), str(copy)], cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    report.main([str(copy)])
+    out = capsys.readouterr().out
     assert all(path.exists() for path in made)
     assert json.loads((copy / "summary.json").read_text())["jobs"][3]["label"] == "loss.beta=0.04 loss.epsilon=0.2"
-    assert "loss.beta=0.04 loss.epsilon=0.2" in res.stdout and "completed" in res.stdout
+    assert "loss.beta=0.04 loss.epsilon=0.2" in out and "completed" in out
 
 
 # ----------------------------------------------------------------------------- synthetic runs
@@ -262,6 +266,27 @@ def test_sweep_job_records_each_kind_of_failure_and_releases_memory(tmp_path, ca
     with pytest.raises(Interrupted):
         sweep.run_job(interrupted, sweep_dir=tmp_path, run_dir=tmp_path / "4", overrides=[], num=4)
     assert summary.read_status(tmp_path / "4")["status"] == "interrupted"
+
+
+def test_a_failed_sweep_job_leaves_no_model_alive(compose, tmp_path, monkeypatch, capsys):
+    """The real engine: the reward raises at step 1, with the policy and reference models built."""
+    import torch
+
+    from grpo_cli import train
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = compose([*SMALL, "loss.beta=0.04", "trainer.eval_before=false", "+reward.x.fn=reliability_helpers:boom"])
+        sweep = Sweep()
+        sweep.run_job(lambda: train._run(cfg, tmp_path / "0", [], in_sweep=True), sweep_dir=tmp_path,
+                      run_dir=tmp_path / "0", overrides=[], num=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert sweep.jobs[tmp_path / "0"]["status"] == "failed"
+    alive = [o for o in gc.get_objects() if type(o).__name__.endswith("ForCausalLM") and isinstance(o, torch.nn.Module)]
+    assert not alive, f"{len(alive)} models outlived their job"
 
 
 def test_a_run_that_trained_draws_its_plot_even_on_error_and_bad_input_draws_none(compose, tmp_path, monkeypatch, capsys):
