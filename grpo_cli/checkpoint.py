@@ -40,7 +40,7 @@ MODEL_IDENTITY_KEYS = ("name_or_path", "gguf_file", "revision", "tokenizer")
 # Keys that do not change what is computed; changing them on resume is not worth a note.
 _COSMETIC_KEYS = {"trainer.resume", "trainer.quiet", "trainer.logging_steps", "trainer.save_steps",
                   "trainer.keep_last", "trainer.max_bad_steps", "trainer.self_check", "trainer.eval_before",
-                  "model.offline_wheel", "model.offline_gguf", "model.trust_remote_code"}
+                  "model.offline_wheel", "model.offline_gguf", "model.trust_remote_code", "trainer.report_to"}
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
