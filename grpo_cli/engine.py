@@ -509,9 +509,14 @@ def _nonfinite_grads(policy, limit: int = 3) -> str:
 
 
 def _nonfinite_params(policy, limit: int = 3) -> list[str]:
+    """Names of (up to `limit`) parameters holding a NaN or an infinity. A tensor's sum is
+    finite when all its values are (bar an overflow of huge values, which the exact check of the
+    flagged tensors then clears), and summing is ~10x cheaper than isfinite().all() over 135M
+    weights (0.03 s vs 0.3 s a step here)."""
     named = list(policy.named_parameters())
-    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()  # one device sync
-    return [name for (name, _), ok in zip(named, finite) if not ok][:limit]
+    with torch.no_grad():
+        flagged = (~torch.isfinite(torch.stack([p.detach().sum(dtype=torch.float32) for _, p in named]))).tolist()
+    return [name for (name, p), maybe in zip(named, flagged) if maybe and not bool(torch.isfinite(p).all())][:limit]
 
 
 def _stop_diverged(policy, step: int, last_good_step: int, bad_log: list[str], max_bad_steps: int, save,

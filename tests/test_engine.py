@@ -129,3 +129,17 @@ def test_optimizer_is_fused_adamw_with_the_plain_update():
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert (models[0][0].weight - start).abs().max() > 1e-3  # it did train
+
+
+@pytest.mark.parametrize("value,bad", [(float("nan"), True), (float("inf"), True), (-float("inf"), True),
+                                       (3e38, False), (1.0, False)])
+def test_nonfinite_params_finds_exactly_the_bad_tensors(value, bad):
+    """The cheap sum-based screen never misses a NaN/inf and never blames a tensor of huge but
+    finite values (whose sum overflows)."""
+    from grpo_cli.engine import _nonfinite_params
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        model[1].weight.fill_(3e38)  # sum overflows, values finite
+        model[0].weight[1, 2] = value
+    assert _nonfinite_params(model) == (["0.weight"] if bad else [])
