@@ -59,6 +59,37 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def _few_rows_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear for a handful of rows on a CPU: W @ x^T instead of x @ W^T. Same numbers up to
+    float rounding; MKL runs this operand order several times faster when x has few rows (a
+    decode step: one token per sequence), e.g. 17 ms vs 68 ms for SmolLM2's 49k x 576 output
+    layer with 8 rows on a 2-core CPU."""
+    rows = x.numel() // x.shape[-1]
+    if rows > 64 or x.device.type != "cpu":
+        return F.linear(x, self.weight, self.bias)
+    y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, out]
+    y = (y + self.bias if self.bias is not None else y).contiguous()
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class few_rows_linears:
+    """Within the block, the model's plain nn.Linear layers use _few_rows_linear (an instance
+    attribute, removed on exit: nothing outside the block or of other models changes)."""
+
+    def __init__(self, model):
+        self.layers = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
+
+    def __enter__(self):
+        for layer in self.layers:
+            layer.forward = _few_rows_linear.__get__(layer)
+        return self
+
+    def __exit__(self, *exc):
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+        return False
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of probs [N, V], by inverting the CDF with one uniform per row.
 
@@ -98,25 +129,26 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
     position_ids = position_ids_from_mask(attention_mask)
     tokens, logps = [], []
     finished = torch.zeros(N, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        logits = logits.float() / temperature  # [N, V]
-        if greedy:
-            token = logits.argmax(-1)  # [N]
-        else:
-            token = draw(filter_logits(logits, top_k, top_p).softmax(-1), generator)  # [N]
-        # Log-prob under the tempered, untruncated distribution: the one the trainer scores
-        # (logprobs.token_logprobs), so ratio == 1 before any update (ref 000.1, 000.4).
-        logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
-        token = token.masked_fill(finished, pad_id)
-        tokens.append(token)
-        logps.append(logp.masked_fill(finished, 0.0))
-        finished = finished | torch.isin(token, eos)
-        if bool(finished.all()) or step == max_new_tokens - 1:
-            break
-        attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
-        position_ids = position_ids[:, -1:] + 1
-        logits = model(input_ids=token[:, None], attention_mask=attention_mask,
-                       position_ids=position_ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
+    with few_rows_linears(model):  # decode steps: one token per row
+        for step in range(max_new_tokens):
+            logits = logits.float() / temperature  # [N, V]
+            if greedy:
+                token = logits.argmax(-1)  # [N]
+            else:
+                token = draw(filter_logits(logits, top_k, top_p).softmax(-1), generator)  # [N]
+            # Log-prob under the tempered, untruncated distribution: the one the trainer scores
+            # (logprobs.token_logprobs), so ratio == 1 before any update (ref 000.1, 000.4).
+            logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
+            token = token.masked_fill(finished, pad_id)
+            tokens.append(token)
+            logps.append(logp.masked_fill(finished, 0.0))
+            finished = finished | torch.isin(token, eos)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+            logits = model(input_ids=token[:, None], attention_mask=attention_mask,
+                           position_ids=position_ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
 
     completion_ids = torch.stack(tokens, dim=1)  # [N, C]
     is_eos = torch.isin(completion_ids, eos)  # [N, C]

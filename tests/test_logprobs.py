@@ -304,3 +304,20 @@ def test_filter_logits_top_k_and_top_p():
     assert torch.isinf(filter_logits(logits, 2, 1.0)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, 0, 0.7)).tolist() == [[False, False, True, True]]
     assert not torch.isinf(filter_logits(logits, 0, 1.0)).any()
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (8, 8), (3, 1, 8), (2, 5, 8), (70, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_few_rows_linear_equals_linear_and_is_removed_after(shape, bias):
+    from grpo_cli.rollout import few_rows_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 300, bias=bias), torch.nn.ReLU(), torch.nn.Linear(300, 4, bias=bias))
+    x = torch.randn(*shape)
+    expected = model(x)
+    with few_rows_linears(model):
+        assert "forward" in model[0].__dict__
+        got = model(x)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert all("forward" not in m.__dict__ for m in model.modules())
