@@ -324,7 +324,7 @@ def print_table(results: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="1:0.04,1:0,4:0.04,4:0",
-                    help="comma-separated PROMPTS:BETA cases (default: %(default)s)")
+                    help="comma-separated PROMPTS:BETA[:ROUNDS] cases (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds per case (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per process (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=1, help="uncounted first steps per process")
@@ -352,22 +352,24 @@ def main() -> None:
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts()))
     results = {"machine": machine(), "model": source.description, "work": {
         "num_generations": G, "max_new_tokens": NEW_TOKENS, "precision": "fp32", "device": "cpu",
-        "rounds": a.rounds, "steps_per_process": a.steps, "warmup": a.warmup}, "cases": {}}
+        "cases": a.cases, "rounds": a.rounds, "steps_per_process": a.steps, "warmup": a.warmup}, "cases": {}}
     started = time.perf_counter()
     for case in a.cases.split(","):
-        prompts, beta = int(case.split(":")[0]), float(case.split(":")[1])
+        fields = case.split(":")
+        prompts, beta = int(fields[0]), float(fields[1])
+        rounds = int(fields[2]) if len(fields) > 2 else a.rounds
         name = f"{prompts} prompt{'s' if prompts > 1 else ''}, beta {beta:g}"
         spec = {"model": source.path, "data": str(data), "prompts": prompts, "beta": beta, "seed": a.seed,
                 "steps": a.steps, "warmup": a.warmup, "tmp": str(tmp)}
         runs: dict[str, list[dict]] = {"grpo-cli": [], "trl": [], "floor": []}
-        for r in range(a.rounds):
+        for r in range(rounds):
             order = [("grpo-cli", "grpo", Path(sys.executable)), ("trl", "trl", trl)]
             if r % 2:  # A B, B A, ...: neither trainer always runs first
                 order.reverse()
             if r < a.floor_rounds:
                 order.append(("floor", "floor", Path(sys.executable)))
             for label, kind, python in order:
-                print(f"[bench] {name}: round {r + 1}/{a.rounds} {label} ...", flush=True)
+                print(f"[bench] {name}: round {r + 1}/{rounds} {label} ...", flush=True)
                 out = run_worker(kind, python, spec, a.timeout)
                 print(f"[bench]   steps {', '.join(f'{t:.2f}' for t in out['step_times'])} s "
                       f"(process {out['wall_s']:.0f} s, peak RSS {out['peak_rss_mb']:.0f} MB)", flush=True)
