@@ -7,11 +7,6 @@ from pathlib import Path
 
 import pytest
 
-# The suite runs on two xdist workers on a 2-core machine: one torch thread per process (and per
-# console-script subprocess, which inherits it). Two processes with two OpenMP threads each on two
-# cores wait on each other's threads and run many times slower.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 BIN = Path(sys.executable).parent
