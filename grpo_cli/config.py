@@ -84,6 +84,11 @@ class LossConfig:
     zero_std: str = "mask"  # mask | weight | keep
     zero_std_threshold: float = 1e-6
     mask_truncated_completions: bool = False
+    # The ratio's old log-probs are the trainer's own, so the first ratio is exactly 1. When the
+    # sampler's numerics differ (bf16 decode), `tis` weights each token's policy term by
+    # min(exp(trainer - sampler log-prob), tis_cap): truncated importance sampling.
+    sampler_correction: str = "none"  # none | tis
+    tis_cap: float = 2.0
 
 
 @dataclass
@@ -155,6 +160,7 @@ CHOICES = {
     "loss.std": ("population", "sample"),
     "loss.estimator": ("grpo", "rloo"),
     "loss.zero_std": ("mask", "weight", "keep"),
+    "loss.sampler_correction": ("none", "tis"),
     "optimizer.name": ("adamw",),
     "optimizer.lr_scheduler": ("constant", "linear", "cosine"),
     "trainer.precision": ("auto", "fp32", "bf16", "fp16"),
@@ -235,6 +241,8 @@ def validate(cfg: Any) -> list[str]:
         )
     if lo.delta is not None and not lo.delta > 1:
         problems.append(f"loss.delta={lo.delta} must be > 1 (it caps the ratio), or null to disable.")
+    if not lo.tis_cap > 0:
+        problems.append(f"loss.tis_cap={lo.tis_cap} must be > 0 (it caps the TIS weights); 2.0 is the usual value.")
     if not lo.beta >= 0:
         problems.append(f"loss.beta={lo.beta} must be >= 0; use 0 to train without a reference model.")
     if not opt.learning_rate > 0:

@@ -24,12 +24,13 @@ from grpo_cli.data import PromptStream, build_prompts, read_rows
 from grpo_cli.errors import Interrupted, TrainingDiverged, UserError, first_line
 from grpo_cli.evaluate import evaluate, score_examples
 from grpo_cli.logprobs import token_logprobs, trim_padding
-from grpo_cli.loss import group_advantages, grpo_loss, loss_normalizers
+from grpo_cli.loss import (group_advantages, grpo_loss, has_learning_signal, loss_normalizers,
+                           truncated_importance_weights)
 from grpo_cli.metrics import MetricsLogger
 from grpo_cli.models import ModelSource, autocast, load_model, load_tokenizer, resolve_device, resolve_precision, resolve_source
 from grpo_cli.rewards import REGISTRY, build_rewards, reward_metrics
 from grpo_cli.rollout import Rollout, concat, sample, select
-from grpo_cli.selfcheck import SelfCheckError, compare_logprobs, diagnose
+from grpo_cli.selfcheck import LogprobCheck, SelfCheckError, compare_logprobs, diagnose
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -180,6 +181,7 @@ def run(cfg: DictConfig, run_dir: Path, on_start=None) -> dict[str, Any]:
                              importance_sampling_level=lo.importance_sampling_level,
                              kl_estimator=lo.kl_estimator, loss_type=lo.loss_type, zero_std=lo.zero_std),
             mask_truncated_completions=lo.mask_truncated_completions,
+            sampler_correction=lo.sampler_correction, tis_cap=lo.tis_cap,
             prompts_per_step=t.prompts_per_step, gradient_accumulation_steps=t.gradient_accumulation_steps,
             num_iterations=t.num_iterations, max_grad_norm=opt.max_grad_norm,
             logging_steps=t.logging_steps, save_steps=t.save_steps, eval_steps=t.eval_steps,
@@ -243,7 +245,8 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
           num_iterations: int, max_grad_norm: float, logging_steps: int, save_steps: int,
           eval_steps: int, keep_last: int, dynamic_sampling: bool, max_sampling_tries: int,
           self_check: bool, quiet: bool, eval_before: bool = False, max_bad_steps: int = 3,
-          resume_state: dict | None = None, ignore_eos: bool = False, report_to: tuple[str, ...] = ("jsonl",)) -> dict[str, Any]:
+          resume_state: dict | None = None, ignore_eos: bool = False, report_to: tuple[str, ...] = ("jsonl",),
+          sampler_correction: str = "none", tis_cap: float = 2.0) -> dict[str, Any]:
     G = sampling["num_generations"]
     pad_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(tokenizer, policy)
@@ -258,6 +261,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
     bad_streak = int((resume_state or {}).get("bad_steps", 0))
     bad_log: list[str] = list((resume_state or {}).get("bad_log", []))
     last_good_step = int((resume_state or {}).get("last_good_step", start_step))
+    said_no_signal = False
 
     def save(step: int) -> Path | None:
         bad = _nonfinite_params(policy)
@@ -354,15 +358,29 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             phase["reference"] += time.perf_counter() - tick
 
             # 4. num_iterations optimizer updates on this rollout, each accumulating the
-            #    gradient over shuffled micro-batches. Old log-probs are the sampler's (ref 000.1).
-            stats_sum: dict[str, float] = {}
+            #    gradient over shuffled micro-batches. The ratio's old log-probs are the
+            #    trainer's own, detached, from before the first update (ref 000.1): on iteration
+            #    0 that is this very forward (ratio exactly 1 in any precision), later
+            #    iterations reuse them. The sampler's log-probs measure the sampler/trainer
+            #    mismatch and feed the optional TIS correction.
+            signal = has_learning_signal(advantages, loss_mask, zero_std, zero_std_mode=loss_kwargs["zero_std"],
+                                         beta=loss_kwargs["beta"])
+            old_logps = torch.zeros_like(batch.sampler_logps) if num_iterations > 1 else None  # [N, C]
+            is_weights = torch.ones_like(batch.sampler_logps) if sampler_correction == "tis" else None  # [N, C]
+            stats_sum: dict[str, float] = {}  # token-weighted sums over every update of the step
+            last_sum: dict[str, float] = {}  # the same, last iteration only
             entropy_sum = entropy_tokens = 0.0
             ratio_max = 0.0
+            mismatch = {"sum": 0.0, "max": 0.0, "tokens": 0.0}
+            check = None  # the self-check's worst micro-batch
+            losses, grad_norms = [], []
             faults: list[str] = []  # this step's skipped updates: which value was not finite
+            no_signal = 0
             applied = 0
             for iteration in range(num_iterations):
                 order = torch.randperm(len(micro_rows)).tolist()
                 loss_total = 0.0
+                last_sum = {}
                 tick = time.perf_counter()
                 for k in order:
                     rows = micro_rows[k]
@@ -372,34 +390,56 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                     with autocast(device, precision):
                         logps, entropy = token_logprobs(policy, p_ids, p_mask, c_ids, c_mask,
                                                         temperature=sampling["temperature"], with_entropy=True)
-                    if self_check and step == start_step + 1 and iteration == 0 and k == order[0]:
-                        _self_check(policy, logps, batch, rows, C, precision, sampling, advantages, zero_std, log)
+                    logps = logps.float()  # [b, C]
+                    if iteration == 0:
+                        old = logps.detach()  # [b, C]
+                        if old_logps is not None:
+                            old_logps[rows, :C] = old
+                        sampler = batch.sampler_logps[rows, :C]  # [b, C]
+                        delta = (old - sampler).abs()[c_mask.bool()]
+                        mismatch["sum"] += float(delta.sum())
+                        mismatch["max"] = max(mismatch["max"], float(delta.max()) if delta.numel() else 0.0)
+                        mismatch["tokens"] += float(delta.numel())
+                        if is_weights is not None:
+                            is_weights[rows, :C] = truncated_importance_weights(old, sampler, c_mask, cap=tis_cap)
+                        if self_check and step == start_step + 1:
+                            check = _self_check(policy, old, batch, rows, C, precision, sampling, check)
+                    else:
+                        old = old_logps[rows, :C]
                     loss, stats = grpo_loss(
-                        logps.float(), batch.sampler_logps[rows, :C],
-                        ref_logps[rows, :C] if ref_logps is not None else None,
+                        logps, old, ref_logps[rows, :C] if ref_logps is not None else None,
                         advantages[rows], loss_mask[rows, :C], zero_std_flags=zero_std[rows],
                         group_std=group_std[rows], num_sequences=num_sequences, num_tokens=num_tokens,
-                        max_new_tokens=sampling["max_new_tokens"], group_size=G, **loss_kwargs)
+                        max_new_tokens=sampling["max_new_tokens"], group_size=G,
+                        importance_weights=is_weights[rows, :C] if is_weights is not None else None,
+                        **loss_kwargs)
                     (scaler.scale(loss) if scaler else loss).backward()
                     loss_total += float(loss.detach())
-                    if iteration == 0:
-                        n_tok = float(stats["num_tokens"])
-                        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                                    "clip_ratio/region_mean", "ratio_mean"):
-                            stats_sum[key] = stats_sum.get(key, 0.0) + float(stats[key]) * n_tok
-                        stats_sum["num_tokens"] = stats_sum.get("num_tokens", 0.0) + n_tok
-                        ratio_max = max(ratio_max, float(stats["ratio_max"]))
-                        valid = c_mask.bool()
-                        entropy_sum += float(entropy[valid].sum())
-                        entropy_tokens += float(valid.sum())
+                    n_tok = float(stats["num_tokens"])
+                    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                                "clip_ratio/region_mean", "ratio_mean"):
+                        stats_sum[key] = stats_sum.get(key, 0.0) + float(stats[key]) * n_tok
+                        last_sum[key] = last_sum.get(key, 0.0) + float(stats[key]) * n_tok
+                    stats_sum["num_tokens"] = stats_sum.get("num_tokens", 0.0) + n_tok
+                    last_sum["num_tokens"] = last_sum.get("num_tokens", 0.0) + n_tok
+                    ratio_max = max(ratio_max, float(stats["ratio_max"]))
+                    valid = c_mask.bool()
+                    entropy_sum += float(entropy[valid].sum())
+                    entropy_tokens += float(valid.sum())
+                if iteration == 0 and check is not None:
+                    _report_self_check(check, advantages, zero_std, len(micro_rows), log)
 
                 phase["policy"] += time.perf_counter() - tick
                 tick = time.perf_counter()
                 # 5. Clip (log the pre-clip norm: what clip_grad_norm_ returns, ref 000.7), step.
-                #    A non-finite loss or gradient skips the update (weights stay as they were).
+                #    A non-finite loss or gradient skips the update (weights stay as they were),
+                #    and so does a step without learning signal (ref 002): its gradient is 0, but
+                #    AdamW's momentum and weight decay would still move the weights.
                 if scaler:
                     scaler.unscale_(optimizer)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm))
+                losses.append(loss_total)
+                grad_norms.append(grad_norm)
                 if not math.isfinite(loss_total) or not math.isfinite(grad_norm):
                     what = "loss" if not math.isfinite(loss_total) else "gradient"
                     where = "" if what == "loss" else _nonfinite_grads(policy)
@@ -415,6 +455,20 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                     log.warn(f"step {step}: non-finite {what} (loss={loss_total}, grad_norm={grad_norm}{where}); "
                              f"optimizer step skipped{note}" + (
                                  "" if benign else f" ({bad_streak + 1} of trainer.max_bad_steps={max_bad_steps} in a row)"))
+                    continue
+                if not signal:
+                    optimizer.zero_grad(set_to_none=True)
+                    if scaler:
+                        scaler.update()
+                    no_signal += 1
+                    if not said_no_signal:
+                        said_no_signal = True
+                        log.warn(f"step {step}: no learning signal (every group's rewards are equal, or no "
+                                 "completion token enters the loss), so the optimizer and scheduler step was "
+                                 "skipped and the weights did not move. Such steps are counted in "
+                                 "skipped_updates/no_signal (said once). If they are frequent: "
+                                 "trainer.dynamic_sampling=true, a higher sampler.temperature, or data of a "
+                                 "difficulty the model sometimes solves.")
                     continue
                 if scaler:
                     scaler.step(optimizer)
@@ -432,6 +486,7 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
             step_time = time.perf_counter() - t0
             lengths = batch.lengths.float()
             n_tok = max(stats_sum.get("num_tokens", 0.0), 1.0)
+            n_last = max(last_sum.get("num_tokens", 0.0), 1.0)
             row: dict[str, Any] = {
                 "step": step,
                 "reward": float(rewards_t.mean()),
@@ -445,16 +500,24 @@ def train(*, policy, ref, tokenizer, stream: PromptStream, eval_examples, reward
                 "clip_ratio/region_mean": stats_sum.get("clip_ratio/region_mean", 0.0) / n_tok,
                 "ratio_mean": stats_sum.get("ratio_mean", 0.0) / n_tok,
                 "ratio_max": ratio_max,
+                **({f"{key}_last": last_sum.get(key, 0.0) / n_last
+                    for key in ("clip_ratio/region_mean", "ratio_mean")} if num_iterations > 1 else {}),
+                "sampler/logp_diff_mean": mismatch["sum"] / max(mismatch["tokens"], 1.0),
+                "sampler/logp_diff_max": mismatch["max"],
                 "prompts/mean_length": float(batch.prompt_mask.sum(-1).float().mean()),
                 "completions/mean_length": float(lengths.mean()),
                 "completions/min_length": float(lengths.min()),
                 "completions/max_length": float(lengths.max()),
                 "completions/clipped_ratio": float(batch.truncated.float().mean()),
                 "entropy": entropy_sum / max(entropy_tokens, 1.0),
-                "grad_norm": grad_norm,
+                # Means over the step's num_iterations updates (pre-clip norms, ref 000.7).
+                "grad_norm": sum(grad_norms) / len(grad_norms),
+                "grad_norm_max": max(grad_norms),
                 "learning_rate": float(scheduler.get_last_lr()[0]),
-                "loss": loss_total,
-                "skipped_updates": len(faults),
+                "loss": sum(losses) / len(losses),
+                "skipped_updates": len(faults) + no_signal,
+                "skipped_updates/nonfinite": len(faults),
+                "skipped_updates/no_signal": no_signal,
                 "step_time": step_time,
                 "tokens_per_second": float(batch.completion_mask.sum()) / step_time,
                 # Where the step's time went (seconds); policy = forward+backward of all micro-batches.
@@ -553,8 +616,11 @@ def _stop_diverged(policy, step: int, last_good_step: int, bad_log: list[str], m
         f"\n{resume_hint} (after changing the settings above)")
 
 
-def _self_check(policy, logps, batch, rows, C, precision, sampling, advantages, zero_std, log) -> None:
-    """Step-0 self-check (ref 000.8): trainer log-probs equal the sampler's before any update."""
+def _self_check(policy, logps, batch, rows, C, precision, sampling, worst: LogprobCheck | None) -> LogprobCheck:
+    """Step-0 self-check (ref 000.8) of one micro-batch of the first step, before any update: the
+    trainer's log-probs equal the sampler's within the precision's tolerance (same tempered
+    distribution, same shift and padding). Raises SelfCheckError with a diagnosis; returns this
+    micro-batch's check merged with `worst` (those of the earlier micro-batches)."""
     check = compare_logprobs(logps.detach(), batch.sampler_logps[rows, :C], batch.completion_mask[rows, :C],
                              precision.name)
     if not check.ok:
@@ -564,14 +630,16 @@ def _self_check(policy, logps, batch, rows, C, precision, sampling, advantages, 
             why = diagnose(policy, p_ids, p_mask, c_ids, c_mask, batch.sampler_logps[rows, :C],
                            sampling["temperature"])
         raise SelfCheckError(
-            f"step-0 self-check failed: trainer and sampler log-probs differ by up to "
-            f"{check.max_abs_diff:.3g} (tolerance {check.tolerance:g} for {precision.name}) over "
-            f"{check.valid_tokens} tokens, so the ratio would not start at 1.\n{why}")
+            f"step-0 self-check failed ({precision.name}): {check.describe()}, so the trainer does not score "
+            f"the distribution the sampler drew from.\n{why}")
+    return check.merge(worst)
+
+
+def _report_self_check(check: LogprobCheck, advantages, zero_std, micro_batches: int, log) -> None:
     signs = "both signs" if (advantages > 0).any() and (advantages < 0).any() else (
         "every group zero-std (no learning signal in this batch)" if bool(zero_std.all()) else "one sign only")
-    log.print(f"self-check ok: |trainer - sampler| log-prob <= {check.max_abs_diff:.2e} "
-              f"(ratio within {check.ratio_max_dev:.1e} of 1) over {check.valid_tokens} tokens; "
-              f"advantages: {signs}")
+    log.print(f"self-check ok: {check.describe()} of the first step "
+              f"({micro_batches} micro-batch{'es' if micro_batches > 1 else ''}); advantages: {signs}")
 
 
 def _pass_rate_histogram(per_reward: dict[str, list], G: int) -> list[int]:

@@ -82,6 +82,8 @@ __all__ = [
     "grpo_loss",
     "importance_ratio",
     "per_token_kl",
+    "has_learning_signal",
+    "truncated_importance_weights",
     "LOG_RATIO_CLAMP",
 ]
 
@@ -252,6 +254,36 @@ def loss_normalizers(
     return num_sequences, num_tokens
 
 
+def has_learning_signal(
+    advantages: Tensor,
+    mask: Tensor,
+    zero_std: Tensor | None = None,
+    *,
+    zero_std_mode: str = "mask",
+    beta: float = 0.0,
+) -> bool:
+    """Whether an update on this step has a reason to move the weights (ref 002).
+
+    A step carries signal when a token entering the loss belongs to a row with a
+    non-zero advantage, or when ``beta > 0`` and the KL term has tokens (under
+    ``zero_std="keep"``/``"weight"`` the user chose to keep the KL pull on
+    signal-free groups). Otherwise the loss and its gradient are exactly 0, and an
+    optimizer step would still move the weights through AdamW's momentum and weight
+    decay: the caller skips it.
+
+    Args:
+        advantages: ``[B]`` from :func:`group_advantages`.
+        mask: ``[B, T]`` completion-token mask of the tokens the loss may use.
+        zero_std: ``[B]`` bool flags, or None.
+    """
+    _check_choice("zero_std_mode", zero_std_mode, ZERO_STD_MODES)
+    valid = _effective_mask(mask, zero_std, zero_std_mode)  # [B, T] bool
+    rows = valid.any(dim=1)  # [B]
+    if bool((rows & (advantages.to(rows.device) != 0)).any()):
+        return True
+    return beta > 0 and bool(rows.any())
+
+
 # --------------------------------------------------------------------------- pieces
 
 
@@ -319,6 +351,29 @@ def per_token_kl(
     return (torch.expm1(x) - x).clamp(min=0.0)  # [B, T]
 
 
+def truncated_importance_weights(
+    trainer_logps: Tensor,
+    sampler_logps: Tensor,
+    mask: Tensor,
+    *,
+    cap: float = 2.0,
+) -> Tensor:
+    """Truncated importance sampling (TIS) weights ``min(exp(trainer - sampler), cap)``, ``[B, T]``.
+
+    The ratio's old log-probs are the trainer's own (so the first ratio is exactly 1);
+    when the sampler computes the distribution with other numerics (bf16 decode, a
+    faster engine), the samples came from a slightly different policy. These weights
+    correct the policy term for that mismatch, truncated at ``cap`` to bound the
+    variance. Detached; 1 at masked positions.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    cdtype = _compute_dtype(trainer_logps.dtype)
+    diff = trainer_logps.detach().to(cdtype) - sampler_logps.detach().to(cdtype)  # [B, T]
+    diff = torch.where(mask != 0, diff, torch.zeros_like(diff)).clamp(max=LOG_RATIO_CLAMP)  # [B, T]
+    return torch.exp(diff).clamp(max=cap)  # [B, T]
+
+
 # --------------------------------------------------------------------------- loss
 
 
@@ -345,6 +400,7 @@ def grpo_loss(
     num_tokens: int | None = None,
     max_new_tokens: int | None = None,
     group_size: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO surrogate plus ``beta * KL``, reduced per ``loss_type``.
 
@@ -376,6 +432,9 @@ def grpo_loss(
             configured completion limit when micro-batches are padded to
             different lengths.
         group_size: only used for the ``num_zero_std_groups`` stat.
+        importance_weights: optional ``[B, T]`` per-token weights of the policy
+            term (not the KL term), e.g. :func:`truncated_importance_weights`
+            for a sampler/trainer mismatch; detached here.
 
     Returns:
         ``(loss, stats)``: a scalar loss, and detached scalar stats ``kl``,
@@ -402,7 +461,8 @@ def grpo_loss(
         raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
     shape = tuple(logps.shape)
     batch, seq_len = shape
-    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("mask", mask)):
+    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("mask", mask),
+                    ("importance_weights", importance_weights)):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have the shape of logps {shape}, got {tuple(t.shape)}")
     for name, t in (("advantages", advantages), ("zero_std_flags", zero_std_flags), ("group_std", group_std)):
@@ -432,6 +492,9 @@ def grpo_loss(
     # Pessimistic bound: on the side where the ratio left the trust region in the
     # advantage's direction, min() picks the constant clipped branch -> zero gradient.
     per_token_loss = -torch.minimum(unclipped * adv, clipped * adv)  # [B, T]
+    if importance_weights is not None:
+        # Off-policy correction of the samples (TIS), on the policy term only, as TRL does.
+        per_token_loss = per_token_loss * importance_weights.detach().to(device=device, dtype=cdtype)  # [B, T]
 
     # ---- KL term (computed whenever ref_logps is given, for the stat)
     if ref_logps is not None:

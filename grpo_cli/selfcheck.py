@@ -1,5 +1,6 @@
-"""Step-0 self-check (ref 000.8): on the first rollout, before any update, the trainer's
-log-probs must equal the sampler's (ratio == 1), there must be valid tokens, advantages of both
+"""Step-0 self-check (ref 000.8): on every micro-batch of the first step, before any update, the
+trainer's log-probs must equal the sampler's within the precision's rounding (the trainer scores
+the distribution the sampler drew from), there must be valid tokens, advantages of both
 signs (or a report that every group is zero-std), and a finite loss and gradient.
 
 On a mismatch it probes the usual causes and names the likely one.
@@ -14,9 +15,14 @@ import torch
 from grpo_cli.errors import TrainingDiverged
 from grpo_cli.logprobs import selective_logprobs
 
-# Max |trainer - sampler| log-prob over valid tokens. fp32 differs only by kernel order
-# (KV-cache decode vs one full forward); bf16/fp16 autocast rounds activations.
-TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp16": 0.25}
+# Tolerances of |trainer - sampler| log-prob over valid tokens: (mean, max). The sampler decodes
+# with a KV cache and the trainer runs one forward, so only kernel order and rounding differ;
+# the bugs this check exists for (temperature, shift, padding) move the mean by tenths of a nat
+# or more. Measured on SmolLM2-135M (default recipe, 484 tokens): fp32 mean 8e-6, max 3e-5;
+# bf16 autocast on the CPU mean 0.027, max 0.21 (its logits are rounded to bf16). The tolerances
+# leave 5-10x room over those; fp16 (GPU only, not measured here) gets bf16's, although its
+# mantissa has three more bits.
+TOLERANCE = {"fp32": (1e-4, 5e-4), "bf16": (0.1, 1.0), "fp16": (0.1, 1.0)}
 
 
 class SelfCheckError(TrainingDiverged):
@@ -25,23 +31,39 @@ class SelfCheckError(TrainingDiverged):
 
 @dataclass
 class LogprobCheck:
+    sum_abs_diff: float
     max_abs_diff: float
-    ratio_max_dev: float
     valid_tokens: int
-    tolerance: float
+    tolerance: tuple[float, float]  # (mean, max)
+
+    @property
+    def mean_abs_diff(self) -> float:
+        return self.sum_abs_diff / max(self.valid_tokens, 1)
 
     @property
     def ok(self) -> bool:
-        return self.valid_tokens > 0 and self.max_abs_diff <= self.tolerance
+        mean_tol, max_tol = self.tolerance
+        return self.valid_tokens > 0 and self.mean_abs_diff <= mean_tol and self.max_abs_diff <= max_tol
+
+    def merge(self, other: "LogprobCheck | None") -> "LogprobCheck":
+        """This check and `other` (of other micro-batches of the same step) as one."""
+        if other is None:
+            return self
+        return LogprobCheck(self.sum_abs_diff + other.sum_abs_diff, max(self.max_abs_diff, other.max_abs_diff),
+                            self.valid_tokens + other.valid_tokens, self.tolerance)
+
+    def describe(self) -> str:
+        mean_tol, max_tol = self.tolerance
+        return (f"|trainer - sampler| log-prob mean {self.mean_abs_diff:.2e} (tolerance {mean_tol:g}), "
+                f"max {self.max_abs_diff:.2e} (tolerance {max_tol:g}) over {self.valid_tokens} tokens")
 
 
 def compare_logprobs(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
                      precision: str) -> LogprobCheck:
     valid = mask.bool()  # [B, C]
-    diff = (trainer_logps.float() - sampler_logps.float()).abs()[valid]
-    max_diff = float(diff.max()) if diff.numel() else 0.0
-    return LogprobCheck(max_diff, float(torch.expm1(diff.clamp(max=20)).max()) if diff.numel() else 0.0,
-                        int(valid.sum()), TOLERANCE[precision])
+    diff = (trainer_logps.float() - sampler_logps.float()).abs()[valid]  # [valid tokens]
+    return LogprobCheck(float(diff.sum()), float(diff.max()) if diff.numel() else 0.0, int(valid.sum()),
+                        TOLERANCE[precision])
 
 
 @torch.no_grad()

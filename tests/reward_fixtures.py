@@ -9,3 +9,15 @@ def plus_parity(completions, prompts, **kwargs):
 def char_code(completions, **kwargs):
     """Varies with the text itself, so even equal-length completions differ."""
     return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+SIGNAL_CALLS = {"n": 0}
+
+
+def signal_once(completions, **kwargs):
+    """Rewards that vary on the first call only; every later group is zero-std (no signal).
+    Tests reset SIGNAL_CALLS["n"] before a run."""
+    SIGNAL_CALLS["n"] += 1
+    if SIGNAL_CALLS["n"] == 1:
+        return [float(i % 2) for i in range(len(completions))]
+    return [0.5] * len(completions)

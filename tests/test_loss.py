@@ -17,9 +17,11 @@ from grpo_cli.loss import (
     LOG_RATIO_CLAMP,
     group_advantages,
     grpo_loss,
+    has_learning_signal,
     importance_ratio,
     loss_normalizers,
     per_token_kl,
+    truncated_importance_weights,
 )
 
 F64 = torch.float64
@@ -576,3 +578,47 @@ def test_invalid_arguments_raise(call, match):
     """ref 002 (KL needs a reference), ref 004 (batch a multiple of G), shape checks."""
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --------------------------------------------------------------------------- signal, TIS
+
+
+@pytest.mark.parametrize("rewards,mask_rows,mode,beta,expected", [
+    ([1, 0, 1, 0], [1, 1, 1, 1], "mask", 0.0, True),  # spread: signal
+    ([1, 1, 0, 0], [1, 1, 1, 1], "mask", 0.04, False),  # every group zero-std: KL masked too
+    ([1, 1, 0, 0], [1, 1, 1, 1], "keep", 0.0, False),  # kept rows, but no advantage and no KL
+    ([1, 1, 0, 0], [1, 1, 1, 1], "keep", 0.04, True),  # TRL behaviour: the KL still pulls
+    ([1, 1, 0, 0], [1, 1, 1, 1], "weight", 0.04, True),  # smooth weight: a small KL pull remains
+    ([1, 0, 1, 0], [0, 0, 1, 1], "mask", 0.0, True),  # second group still has tokens
+    ([1, 0, 1, 1], [1, 1, 0, 0], "mask", 0.0, True),
+    ([1, 1, 1, 0], [1, 1, 0, 0], "mask", 0.0, False),  # the only spread group has no token left
+], ids=["spread", "zero-std-mask-kl", "zero-std-keep-no-kl", "zero-std-keep-kl", "zero-std-weight-kl",
+        "partly-masked", "first-group-spread", "signal-group-masked-out"])
+def test_has_learning_signal(rewards, mask_rows, mode, beta, expected):
+    """ref 002: a step whose loss has no token with a reason to move the weights has no signal."""
+    adv, zero, _ = group_advantages(torch.tensor(rewards, dtype=F64), 2)
+    mask = torch.tensor(mask_rows, dtype=F64).unsqueeze(1).expand(-1, 3)  # [4, 3]
+    assert has_learning_signal(adv, mask, zero, zero_std_mode=mode, beta=beta) is expected
+
+
+def test_truncated_importance_weights_cap_and_mask():
+    trainer = torch.tensor([[-1.0, -1.0, -1.0, 5.0]], dtype=F64)
+    sampler = torch.tensor([[-1.0, -1.5, -3.0, -50.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    w = truncated_importance_weights(trainer, sampler, mask, cap=2.0)
+    expected = torch.tensor([[1.0, math.exp(0.5), 2.0, 1.0]], dtype=F64)  # capped; masked -> 1
+    torch.testing.assert_close(w, expected)
+    with pytest.raises(ValueError, match="cap"):
+        truncated_importance_weights(trainer, sampler, mask, cap=0.0)
+
+
+def test_importance_weights_scale_the_policy_term_not_the_kl():
+    logps, old, ref, mask = make_batch([3, 2], 3)
+    adv = torch.tensor([1.0, -0.5], dtype=F64)
+    w = torch.full_like(logps, 0.5)
+    _, g_plain, _ = grad_of(logps, old, ref, adv, mask, beta=0.0)
+    _, g_weighted, _ = grad_of(logps, old, ref, adv, mask, beta=0.0, importance_weights=w)
+    torch.testing.assert_close(g_weighted, 0.5 * g_plain)
+    _, g_kl, _ = grad_of(logps, old, ref, torch.zeros(2, dtype=F64), mask, beta=0.1)
+    _, g_kl_w, _ = grad_of(logps, old, ref, torch.zeros(2, dtype=F64), mask, beta=0.1, importance_weights=w)
+    torch.testing.assert_close(g_kl_w, g_kl)  # KL gradient untouched
