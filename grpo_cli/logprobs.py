@@ -4,6 +4,8 @@ temperature are handled (ref 000.2, 000.3, 000.4).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +13,27 @@ import torch.nn.functional as F
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Left padding shifts where real tokens start; positions count real tokens only (ref 000.3)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+
+
+def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch.Tensor:
+    """model(**kwargs).logits, made uniform across architectures (every forward pass here and in
+    the sampler goes through it):
+
+    - logits_to_keep=k: the last k positions, [B, k, V]. OPT, GPT-Neo, GPT-J, CodeGen,
+      GPTBigCode, ... (transformers 4.57) swallow the keyword in **kwargs and return every
+      position; the extra ones are cut here.
+    - keywords the forward does not take are dropped (Bart-style decoders have neither
+      position_ids nor logits_to_keep, nor **kwargs): such a model computes its own positions.
+    """
+    if logits_to_keep is not None:
+        kwargs["logits_to_keep"] = logits_to_keep
+    params = inspect.signature(model.forward).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    logits = model(**kwargs).logits  # [B, L, V], or [B, k, V] when the model honours logits_to_keep
+    if logits_to_keep is not None and logits.shape[1] > logits_to_keep:
+        logits = logits[:, -logits_to_keep:]  # [B, k, V]
+    return logits
 
 
 def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -71,25 +94,25 @@ def _forward_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
     if not use_cache:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [B, P+C]
-        out = model(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=position_ids_from_mask(attention_mask), logits_to_keep=C + 1,
-                    use_cache=False)
-        return out.logits[:, :-1, :]  # [B, C, V]: logits[:, i] predicts completion token i
+        logits = model_logits(model, input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids_from_mask(attention_mask), logits_to_keep=C + 1,
+                              use_cache=False)  # [B, C+1, V]
+        return logits[:, :-1, :]  # [B, C, V]: logits[:, i] predicts completion token i
     from transformers import DynamicCache
 
     p_ids, p_mask = prompt_ids[::G], prompt_mask[::G].long()  # [B/G, P]
     cache = DynamicCache()
-    first = model(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids_from_mask(p_mask),
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
-    first_logits = first.logits.repeat_interleave(G, dim=0)  # [B, 1, V]: scores completion token 0
+    first = model_logits(model, input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids_from_mask(p_mask),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)  # [B/G, 1, V]
+    first_logits = first.repeat_interleave(G, dim=0)  # [B, 1, V]: scores completion token 0
     if C == 1:
         return first_logits
     cache.batch_repeat_interleave(G)  # [B/G, ...] -> [B, ...], differentiable
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1).long()  # [B, P+C-1]
-    rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
-                 position_ids=position_ids_from_mask(attention_mask)[:, prompt_ids.shape[1]:],
-                 past_key_values=cache, use_cache=True)
-    return torch.cat([first_logits, rest.logits], dim=1)  # [B, C, V]
+    rest = model_logits(model, input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
+                        position_ids=position_ids_from_mask(attention_mask)[:, prompt_ids.shape[1]:],
+                        past_key_values=cache, use_cache=True)  # [B, C-1, V]
+    return torch.cat([first_logits, rest], dim=1)  # [B, C, V]
 
 
 def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

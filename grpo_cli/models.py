@@ -237,11 +237,53 @@ def load_model(source: ModelSource, *, device: torch.device, revision: str | Non
     else:
         model.eval()
         model.requires_grad_(False)
-    # Dropout would make the sampler's and trainer's log-probs disagree; GRPO trains without it.
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    disable_dropout(model)
     return model
+
+
+def _is_dropout_rate(name: str, value) -> bool:
+    """attention_dropout, hidden_dropout_prob, attn_pdrop, layerdrop, ...: a float rate (bools
+    such as ESM's token_dropout are switches, not rates)."""
+    return ("dropout" in name or name.endswith("drop")) and isinstance(value, (int, float)) \
+        and not isinstance(value, bool)
+
+
+def _zero_config_dropout(config, seen: set[int]) -> None:
+    """Zero the dropout rates of a config and of its sub-configs (text_config, attn_config, ...)."""
+    from transformers import PretrainedConfig
+
+    if id(config) in seen:
+        return
+    seen.add(id(config))
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            _zero_config_dropout(value, seen)
+        elif _is_dropout_rate(name, value) and value:
+            setattr(config, name, 0.0)
+
+
+def disable_dropout(model) -> None:
+    """Dropout would make the sampler's and trainer's log-probs disagree; GRPO trains without it.
+
+    The policy stays in train mode (HF checkpoints gradients only then), so every rate has to be
+    zero, not just nn.Dropout's p: Llama, Qwen2, Mistral, OPT, ... copy config.attention_dropout
+    (or config.dropout, attn_pdrop, layerdrop) into a float attribute at init and apply it as
+    `dropout=self.attention_dropout if self.training else 0.0`; a few read the config at forward
+    time (GPT-Neo's flash path). So: modules' p, their float dropout attributes, and the configs.
+    """
+    from transformers import PretrainedConfig
+
+    seen: set[int] = set()
+    if isinstance(getattr(model, "config", None), PretrainedConfig):
+        _zero_config_dropout(model.config, seen)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):  # Dropout, Dropout1d/2d/3d, AlphaDropout
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig):  # a submodule's own (sub-)config
+                _zero_config_dropout(value, seen)
+            elif _is_dropout_rate(name, value) and value:
+                setattr(module, name, 0.0)
 
 
 # ----------------------------------------------------------------------------- built-in tiny

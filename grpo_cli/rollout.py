@@ -11,12 +11,14 @@ same tokens as `generate` under the same seed.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from grpo_cli.logprobs import position_ids_from_mask
+from grpo_cli.logprobs import model_logits, position_ids_from_mask
 
 
 @dataclass
@@ -67,42 +69,102 @@ def _few_rows_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > 64 or x.device.type != "cpu":
         return F.linear(x, self.weight, self.bias)
-    y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, out]
-    y = (y + self.bias if self.bias is not None else y).contiguous()
-    return y.view(*x.shape[:-1], y.shape[-1])
+    xt = x.reshape(rows, x.shape[-1]).t()  # [in, rows]
+    # The bias goes into the same op (addmm), not added after mm: under bf16 autocast mm returns
+    # bf16 and bf16 + fp32 bias promotes to fp32, where F.linear returns bf16. addmm, like
+    # linear, is an autocast op: all three operands are cast alike, so the dtype matches F.linear.
+    if self.bias is None:
+        y = torch.mm(self.weight, xt)  # [out, rows]
+    else:
+        y = torch.addmm(self.bias[:, None], self.weight, xt)  # [out, rows]
+    return y.t().contiguous().view(*x.shape[:-1], y.shape[0])
+
+
+# Layer -> how many open few_rows_linears blocks use it. A layer is patched when its count goes
+# 0 -> 1 and unpatched when it goes back to 0: two samplers on one model (threads, nested
+# blocks, a block on a submodule) never unpatch layers the other still runs.
+_patch_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_patch_lock = threading.Lock()
 
 
 class few_rows_linears:
     """Within the block, the model's plain nn.Linear layers use _few_rows_linear (an instance
-    attribute, removed on exit: nothing outside the block or of other models changes)."""
+    attribute, removed when the last block using it exits: nothing outside the blocks or of
+    other models changes). Re-entrant and thread-safe."""
 
     def __init__(self, model):
-        self.layers = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
+        self.model = model
+        self._held: list[list[torch.nn.Linear]] = []  # per open block: the layers it counted
 
     def __enter__(self):
-        for layer in self.layers:
-            layer.forward = _few_rows_linear.__get__(layer)
+        with _patch_lock:
+            layers = [m for m in self.model.modules() if type(m) is torch.nn.Linear
+                      and (m in _patch_counts or "forward" not in m.__dict__)]  # ours, or unpatched
+            for layer in layers:
+                count = _patch_counts.get(layer, 0)
+                if count == 0:
+                    layer.forward = _few_rows_linear.__get__(layer)
+                _patch_counts[layer] = count + 1
+            self._held.append(layers)
         return self
 
     def __exit__(self, *exc):
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+        with _patch_lock:
+            for layer in self._held.pop():
+                _patch_counts[layer] -= 1
+                if _patch_counts[layer] == 0:
+                    del _patch_counts[layer]
+                    layer.__dict__.pop("forward", None)
         return False
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+# Rows per float64 CDF chunk on a CPU: ~6 MB, one buffer reused chunk after chunk. One
+# [64, 151936] float64 CDF would be 78 MB of freshly faulted pages, ~3x slower on a 2-core CPU.
+_CDF_CHUNK_BYTES = 6 << 20
+
+
+def sampling_cdf(probs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The CDF that draw searches: running sums of probs [N, V] in float64 (rows independently).
+
+    float32 is not enough: its running sum rounds each step to ~6e-8 of the mass so far, so the
+    masses it implies are ~1e-3 (total variation) off on a 152k vocabulary, and a token below
+    ~3e-8 after most of the mass adds nothing and can never be drawn. float64's ~1e-16 keeps
+    every implied mass within float rounding of probs / probs.sum().
+    """
+    if out is None:
+        out = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+    # Widen, then sum in place: faster on a CPU than cumsum(dtype=float64), which converts as it goes.
+    return torch.cumsum(out.copy_(probs.detach()), -1, out=out)  # [N, V]: no gradient through sampling
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None,
+         u: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of probs [N, V], by inverting the CDF with one uniform per row.
 
-    The same distribution as torch.multinomial (tested against generate's sampler), at a
-    fraction of its cost: multinomial draws an exponential variate for every vocabulary entry
-    (about 40 ms per step for 32 rows x 49k tokens on a 2-core CPU), this draws one number per
-    row and does a cumsum and a binary search. Zero-probability tokens are never drawn: the
-    search returns the first index whose cumulative mass exceeds u.
+    Token i of a row is drawn with probability probs[i] / probs.sum() up to float64 rounding
+    (~1e-16 per token): the distribution torch.multinomial draws from (tested against generate's
+    sampler), at a fraction of its cost. multinomial draws an exponential variate for every
+    vocabulary entry (about 40 ms per step for 32 rows x 49k tokens on a 2-core CPU); this draws
+    one number per row and does a float64 cumsum and a binary search. Zero-probability tokens
+    are never drawn: the search returns the first index whose cumulative mass exceeds u * total.
+
+    u: optional uniforms in [0, 1), [N, 1] (else drawn from generator, float64).
     """
-    cdf = probs.cumsum(-1)  # [N, V]
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
-    return token.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # (u * total may round up to total)
+    N, V = probs.shape
+    if u is None:
+        u = torch.rand((N, 1), generator=generator, device=probs.device, dtype=torch.float64)
+    rows = min(N, max(1, _CDF_CHUNK_BYTES // (8 * V))) if probs.device.type == "cpu" else N
+    buf = torch.empty((rows, V), dtype=torch.float64, device=probs.device)
+    tokens = []
+    for p, uu in zip(probs.split(rows), u.split(rows)):  # [n, V], [n, 1]
+        cdf = sampling_cdf(p, out=buf[:p.shape[0]])  # [n, V]
+        total = cdf[:, -1:]  # [n, 1]
+        # u < 1, but u * total may round up to total; the largest double below total keeps the
+        # search inside the last token with mass (not a zero-probability token after it).
+        x = torch.minimum(uu.to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens.append(torch.searchsorted(cdf, x, right=True))  # [n, 1]
+    # The clamp only matters for an all-zero or NaN row (no valid token; multinomial would raise).
+    return torch.cat(tokens).clamp_(max=V - 1).squeeze(-1)  # [N]
 
 
 @torch.no_grad()
@@ -116,10 +178,11 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
     unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
     # Each prompt is prefilled once; its KV cache is then shared by its G completions.
     cache = DynamicCache()
-    out = model(input_ids=unique_ids, attention_mask=unique_mask, position_ids=position_ids_from_mask(unique_mask),
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = model_logits(model, input_ids=unique_ids, attention_mask=unique_mask,
+                          position_ids=position_ids_from_mask(unique_mask), past_key_values=cache,
+                          use_cache=True, logits_to_keep=1)  # [B, 1, V]
     cache.batch_repeat_interleave(num_generations)
-    logits = out.logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
+    logits = logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
     prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = unique_mask.repeat_interleave(num_generations, dim=0)
     N = prompt_ids.shape[0]
@@ -147,8 +210,8 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
             position_ids = position_ids[:, -1:] + 1
-            logits = model(input_ids=token[:, None], attention_mask=attention_mask,
-                           position_ids=position_ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
+            logits = model_logits(model, input_ids=token[:, None], attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=cache, use_cache=True)[:, -1, :]
 
     completion_ids = torch.stack(tokens, dim=1)  # [N, C]
     is_eos = torch.isin(completion_ids, eos)  # [N, C]

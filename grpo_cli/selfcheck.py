@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.errors import TrainingDiverged
-from grpo_cli.logprobs import selective_logprobs
+from grpo_cli.logprobs import model_logits, selective_logprobs
 
 # Tolerances of |trainer - sampler| log-prob over valid tokens: (mean, max). The sampler decodes
 # with a KV cache and the trainer runs one forward, so only kernel order and rounding differ;
@@ -80,12 +80,12 @@ def diagnose(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sa
 
     probes = {}
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=pos).logits.float()
+    logits = model_logits(model, input_ids=input_ids, attention_mask=attn, position_ids=pos).float()
     probes["temperature (trainer and sampler use different temperatures)"] = err(
         selective_logprobs(logits[:, -C - 1:-1], completion_ids))
     probes["shift (logits at t must score token t+1)"] = err(
         selective_logprobs(logits[:, -C:] / temperature, completion_ids))
-    plain = model(input_ids=input_ids).logits.float()
+    plain = model_logits(model, input_ids=input_ids).float()
     probes["padding (attention mask / position ids ignored)"] = err(
         selective_logprobs(plain[:, -C - 1:-1] / temperature, completion_ids))
     best = min(probes, key=probes.get)
