@@ -21,3 +21,8 @@ def signal_once(completions, **kwargs):
     if SIGNAL_CALLS["n"] == 1:
         return [float(i % 2) for i in range(len(completions))]
     return [0.5] * len(completions)
+
+
+def alternating(completions, **kwargs):
+    """0, 1, 0, 1, ... whatever the text: every group of an even size has signal."""
+    return [float(i % 2) for i in range(len(completions))]

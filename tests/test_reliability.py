@@ -577,7 +577,7 @@ def _inject(monkeypatch, bad_calls: set[int], kind: str = "loss", poison_weights
     monkeypatch.setattr(engine, "grpo_loss", grpo_loss)
 
 
-NUMERIC = SMALL + ["reward=[]", "+reward.code.fn=reward_fixtures:char_code", "optimizer.learning_rate=1e-3",
+NUMERIC = SMALL + ["reward=[]", "+reward.alt.fn=reward_fixtures:alternating", "optimizer.learning_rate=1e-3",
                    "loss.beta=0", "data.eval_size=0", "trainer.save_steps=2", "trainer.max_steps=8"]
 
 
