@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,45 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # on resume. Everything else may (with a note that the run no longer reproduces exactly).
 MODEL_IDENTITY_KEYS = ("name_or_path", "gguf_file", "revision", "tokenizer")
 # Keys that do not change what is computed; changing them on resume is not worth a note.
-_COSMETIC_KEYS = {"trainer.resume", "trainer.quiet", "trainer.logging_steps", "trainer.save_steps",
-                  "trainer.keep_last", "trainer.max_bad_steps", "trainer.self_check", "trainer.eval_before",
-                  "model.offline_wheel", "model.offline_gguf", "model.trust_remote_code", "trainer.report_to"}
+_COSMETIC_KEYS = {
+    "trainer.resume",
+    "trainer.quiet",
+    "trainer.logging_steps",
+    "trainer.save_steps",
+    "trainer.keep_last",
+    "trainer.max_bad_steps",
+    "trainer.self_check",
+    "trainer.eval_before",
+    "model.offline_wheel",
+    "model.offline_gguf",
+    "model.trust_remote_code",
+    "trainer.report_to",
+}
+
+
+@dataclass
+class TrainerState:
+    """Everything a resumed run needs besides the weights, the optimizer and the scheduler, saved
+    and restored here in one place (`trainer_state.pt`, plus the RNG states at save time)."""
+
+    step: int = 0  # the last completed step
+    stream: dict[str, int] = field(default_factory=lambda: {"epoch": 0, "position": 0})  # data position
+    grad_scaler: dict[str, Any] = field(default_factory=dict)  # fp16 only
+    # Consecutive steps whose loss or gradient was not finite (their updates were skipped), what
+    # they were, and the last step whose updates all applied: the weights have not changed since.
+    bad_steps: int = 0
+    bad_log: list[str] = field(default_factory=list)
+    last_good_step: int = 0
+    rng: dict[str, Any] | None = None  # every RNG's state, as of the save (restore_rng_state)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        state = cls(step=int(data["step"]), stream=dict(data["stream"]), rng=data["rng"])
+        state.grad_scaler = dict(data.get("grad_scaler") or {})
+        state.bad_steps = int(data.get("bad_steps", 0))
+        state.bad_log = list(data.get("bad_log", []))
+        state.last_good_step = int(data.get("last_good_step", state.step))
+        return state
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -53,13 +90,21 @@ def checkpoints_dir(run_dir: Path) -> Path:
 def rng_state() -> dict[str, Any]:
     """Every RNG a run draws from: Python's, NumPy's, torch's CPU and CUDA generators. Plain
     containers and tensors only, so it loads with torch.load(weights_only=True)."""
-    state: dict[str, Any] = {"python": list(_flatten_py_state(random.getstate())), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": list(_flatten_py_state(random.getstate())),
+        "torch": torch.get_rng_state(),
+    }
     try:
         import numpy as np
 
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
         pass
     if torch.cuda.is_available():
@@ -80,7 +125,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"])
+        )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -88,8 +135,20 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, optimizer, scheduler,
-                    trainer_state: dict[str, Any], config_yaml: str, keep_last: int) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    state: TrainerState,
+    *,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    config_yaml: str,
+    keep_last: int,
+) -> Path:
+    """Checkpoint `step-<state.step>`: the model, tokenizer, optimizer, scheduler, config and
+    `state` with every RNG's current state."""
+    step = state.step
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step:06d}"
     tmp = root / f"{TMP_PREFIX}{step:06d}-{os.getpid()}"
@@ -102,8 +161,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, optimizer, sc
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         # Written last: a folder holding trainer_state.pt holds everything else.
-        torch.save({**trainer_state, "format": FORMAT_VERSION, "step": step, "rng": rng_state()},
-                   tmp / "trainer_state.pt")
+        torch.save({**asdict(state), "format": FORMAT_VERSION, "rng": rng_state()}, tmp / "trainer_state.pt")
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step: move the old one aside, never delete in place
             trash = root / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"
@@ -116,9 +174,11 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, optimizer, sc
             _fsync_dir(root)
     except Exception as exc:  # I/O errors surface as OSError, SafetensorError, RuntimeError...
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write checkpoint {final}: {first_line(exc)}. {_disk_hint(root)}"
-                        "Free disk space or point hydra.run.dir at a disk with room (and resume with "
-                        "trainer.resume=auto); earlier checkpoints are intact.") from exc
+        raise UserError(
+            f"could not write checkpoint {final}: {first_line(exc)}. {_disk_hint(root)}"
+            "Free disk space or point hydra.run.dir at a disk with room (and resume with "
+            "trainer.resume=auto); earlier checkpoints are intact."
+        ) from exc
     except BaseException:  # interrupted mid-write: leave no partial folder
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -206,24 +266,32 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Path:
         clean_partial(run_dir)
         found = list_checkpoints(run_dir)
         if not found:
-            raise UserError(f"trainer.resume=auto found no checkpoint in {checkpoints_dir(run_dir)}. "
-                            "Resume by running with hydra.run.dir=<the run folder> trainer.resume=auto, "
-                            "or give trainer.resume=<checkpoint folder>.")
+            raise UserError(
+                f"trainer.resume=auto found no checkpoint in {checkpoints_dir(run_dir)}. "
+                "Resume by running with hydra.run.dir=<the run folder> trainer.resume=auto, "
+                "or give trainer.resume=<checkpoint folder>."
+            )
         return found[-1]
     path = Path(resume).expanduser()
     if not path.is_dir():
-        raise UserError(f"trainer.resume={resume!r} does not exist (looked in {path.absolute()}); give a "
-                        "checkpoint folder like outputs/.../checkpoints/step-000050, its run folder, or auto.")
+        raise UserError(
+            f"trainer.resume={resume!r} does not exist (looked in {path.absolute()}); give a "
+            "checkpoint folder like outputs/.../checkpoints/step-000050, its run folder, or auto."
+        )
     if not (path / "trainer_state.pt").is_file():
         found = list_checkpoints(path)
         if found:
             return found[-1]
-        raise UserError(f"trainer.resume={resume!r} is not a grpo-cli checkpoint (no trainer_state.pt); "
-                        "give a folder like outputs/.../checkpoints/step-000050 or its run folder.")
+        raise UserError(
+            f"trainer.resume={resume!r} is not a grpo-cli checkpoint (no trainer_state.pt); "
+            "give a folder like outputs/.../checkpoints/step-000050 or its run folder."
+        )
     missing = missing_files(path)
     if missing:
-        raise UserError(f"trainer.resume={resume!r} is an incomplete checkpoint (missing "
-                        f"{', '.join(missing)}); resume from an earlier one in {path.parent}.")
+        raise UserError(
+            f"trainer.resume={resume!r} is an incomplete checkpoint (missing "
+            f"{', '.join(missing)}); resume from an earlier one in {path.parent}."
+        )
     return path
 
 
@@ -238,11 +306,15 @@ def check_resume_config(path: Path, current: dict[str, Any]) -> list[str]:
     try:
         saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"checkpoint {path} has an unreadable config.yaml ({first_line(exc)}); "
-                        "resume from an earlier checkpoint.") from exc
+        raise UserError(
+            f"checkpoint {path} has an unreadable config.yaml ({first_line(exc)}); "
+            "resume from an earlier checkpoint."
+        ) from exc
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        raise UserError(f"checkpoint {path} has no model section in its config.yaml: it was not written "
-                        "by this version of grpo-train; start a new run instead.")
+        raise UserError(
+            f"checkpoint {path} has no model section in its config.yaml: it was not written "
+            "by this version of grpo-train; start a new run instead."
+        )
     for key in MODEL_IDENTITY_KEYS:
         old, new = saved["model"].get(key), current["model"].get(key)
         if not _same_model_value(old, new):
@@ -250,7 +322,8 @@ def check_resume_config(path: Path, current: dict[str, Any]) -> list[str]:
                 f"checkpoint {path} was trained from model.{key}={old!r}, but this run sets "
                 f"model.{key}={new!r}. A resumed run continues the checkpoint's weights, so "
                 f"model.{key} must stay the same: drop that override (or set model.{key}={old}), or start "
-                "a new run (a new hydra.run.dir, no trainer.resume) to train the other model.")
+                "a new run (a new hydra.run.dir, no trainer.resume) to train the other model."
+            )
     changed = []
     for key, old in _flatten(saved).items():
         new = _flatten(current).get(key, "<absent>")
@@ -278,8 +351,8 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
-def load_training_state(path: Path) -> tuple[dict, dict, dict]:
-    """(trainer_state, optimizer state, scheduler state), loaded with weights_only=True: a
+def load_training_state(path: Path) -> tuple[TrainerState, dict, dict]:
+    """(trainer state, optimizer state, scheduler state), loaded with weights_only=True: a
     checkpoint can hold tensors and plain containers, never arbitrary pickled objects."""
     try:
         trainer_state = torch.load(path / "trainer_state.pt", weights_only=True)
@@ -288,17 +361,26 @@ def load_training_state(path: Path) -> tuple[dict, dict, dict]:
     except Exception as exc:
         import pickle
 
-        why = ("torch.load(weights_only=True) refused it: it is not a PyTorch file, or it holds pickled "
-               "objects besides tensors and plain values" if isinstance(exc, pickle.UnpicklingError)
-               else first_line(exc, 160))
-        raise UserError(f"checkpoint {path} cannot be loaded ({why}); it is corrupt or was not written by "
-                        "grpo-train. Resume from an earlier checkpoint.") from exc
+        why = (
+            "torch.load(weights_only=True) refused it: it is not a PyTorch file, or it holds pickled "
+            "objects besides tensors and plain values"
+            if isinstance(exc, pickle.UnpicklingError)
+            else first_line(exc, 160)
+        )
+        raise UserError(
+            f"checkpoint {path} cannot be loaded ({why}); it is corrupt or was not written by "
+            "grpo-train. Resume from an earlier checkpoint."
+        ) from exc
     if isinstance(trainer_state, dict) and int(trainer_state.get("format", 1)) > FORMAT_VERSION:
-        raise UserError(f"checkpoint {path} was written by a newer grpo-cli (checkpoint format "
-                        f"{trainer_state['format']}, this one reads {FORMAT_VERSION}); upgrade grpo-cli to resume it.")
+        raise UserError(
+            f"checkpoint {path} was written by a newer grpo-cli (checkpoint format "
+            f"{trainer_state['format']}, this one reads {FORMAT_VERSION}); upgrade grpo-cli to resume it."
+        )
     required = ("step", "stream", "rng")
     if not isinstance(trainer_state, dict) or any(k not in trainer_state for k in required):
-        raise UserError(f"checkpoint {path}: trainer_state.pt lacks the step, data position or RNG state; "
-                        "it was not written by this version of grpo-train. Start a new run, or resume "
-                        "from a checkpoint this version wrote.")
-    return trainer_state, optimizer_state, scheduler_state
+        raise UserError(
+            f"checkpoint {path}: trainer_state.pt lacks the step, data position or RNG state; "
+            "it was not written by this version of grpo-train. Start a new run, or resume "
+            "from a checkpoint this version wrote."
+        )
+    return TrainerState.from_dict(trainer_state), optimizer_state, scheduler_state

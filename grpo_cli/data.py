@@ -13,6 +13,9 @@ from typing import Any
 
 from grpo_cli.errors import UserError
 
+SOURCES = ("arithmetic", "file", "hub")
+# What to do with a prompt longer than sampler.max_prompt_length.
+LONG_PROMPT_RULES = ("drop", "truncate_left", "error")
 OP_WORDS = {"+": "plus", "-": "minus", "*": "times"}
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -39,23 +42,34 @@ def arithmetic_space(max_operand: int, max_multiplier: int, operations: list[str
     """How many distinct problems the generator can make (None for unknown operations)."""
     if not operations or any(op not in OP_WORDS for op in operations):
         return None
-    return sum((max_operand + 1) * ((max_multiplier if op == "*" else max_operand) + 1)
-               for op in set(operations))
+    return sum(
+        (max_operand + 1) * ((max_multiplier if op == "*" else max_operand) + 1) for op in set(operations)
+    )
 
 
-def arithmetic_rows(num_examples: int, eval_size: int, *, max_operand: int, max_multiplier: int,
-                    operations: list[str], seed: int) -> tuple[list[dict], list[dict]]:
+def arithmetic_rows(
+    num_examples: int,
+    eval_size: int,
+    *,
+    max_operand: int,
+    max_multiplier: int,
+    operations: list[str],
+    seed: int,
+) -> tuple[list[dict], list[dict]]:
     """Unique "What is a plus b?" problems; the eval rows never appear in the training rows."""
     bad = [op for op in operations if op not in OP_WORDS]
     if bad or not operations:
-        raise UserError(f"data.operations={list(operations)} must be a non-empty list drawn from "
-                        f"{list(OP_WORDS)}.")
+        raise UserError(
+            f"data.operations={list(operations)} must be a non-empty list drawn from {list(OP_WORDS)}."
+        )
     rng = random.Random(seed)
     space = arithmetic_space(max_operand, max_multiplier, list(operations))
     want = num_examples + eval_size
     if want > space:
-        raise UserError(f"data.num_examples + data.eval_size = {want} exceeds the {space} distinct "
-                        "problems these operands allow; raise data.max_operand or ask for fewer.")
+        raise UserError(
+            f"data.num_examples + data.eval_size = {want} exceeds the {space} distinct "
+            "problems these operands allow; raise data.max_operand or ask for fewer."
+        )
     seen: set[tuple] = set()
     rows = []
     while len(rows) < want:
@@ -66,8 +80,9 @@ def arithmetic_rows(num_examples: int, eval_size: int, *, max_operand: int, max_
             continue
         seen.add((a, op, b))
         answer = a + b if op == "+" else a - b if op == "-" else a * b
-        rows.append({"prompt": f"What is {a} {OP_WORDS[op]} {b}? Answer with only the number.",
-                     "answer": str(answer)})
+        rows.append(
+            {"prompt": f"What is {a} {OP_WORDS[op]} {b}? Answer with only the number.", "answer": str(answer)}
+        )
     return rows[eval_size:], rows[:eval_size]
 
 
@@ -77,12 +92,16 @@ def _load_table(path: str, subset: str | None, split: str, source: str) -> list[
             file = Path(path).expanduser()
             fmt = FILE_FORMATS.get(file.suffix.lower())
             if fmt is None:
-                raise UserError(f"data.path={path!r}: unknown file type {file.suffix!r}; use one of "
-                                f"{', '.join(FILE_FORMATS)}.")
+                raise UserError(
+                    f"data.path={path!r}: unknown file type {file.suffix!r}; use one of "
+                    f"{', '.join(FILE_FORMATS)}."
+                )
             if not file.is_file():
                 what = "is a folder, not a file" if file.is_dir() else "does not exist"
-                raise UserError(f"data.path={path!r} {what} (looked in {file.resolve()}). "
-                                "Give the path of a json/jsonl/csv/parquet file.")
+                raise UserError(
+                    f"data.path={path!r} {what} (looked in {file.resolve()}). "
+                    "Give the path of a json/jsonl/csv/parquet file."
+                )
             if fmt == "json":
                 return _read_json_lines(file)
             datasets = _datasets()
@@ -115,13 +134,17 @@ def _read_json_lines(file: Path) -> list[dict]:
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"data.path={str(file)!r} is not UTF-8 text (byte {exc.start}); give a JSON Lines "
-                        "file, or a csv/parquet file with the matching extension.") from exc
+        raise UserError(
+            f"data.path={str(file)!r} is not UTF-8 text (byte {exc.start}); give a JSON Lines "
+            "file, or a csv/parquet file with the matching extension."
+        ) from exc
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UserError(f"data.path={str(file)!r}: invalid JSON at line {exc.lineno}: {exc.msg}.") from exc
+            raise UserError(
+                f"data.path={str(file)!r}: invalid JSON at line {exc.lineno}: {exc.msg}."
+            ) from exc
     else:
         rows = []
         for lineno, line in enumerate(text.splitlines(), start=1):
@@ -130,32 +153,45 @@ def _read_json_lines(file: Path) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise UserError(f"data.path={str(file)!r}: line {lineno} is not valid JSON "
-                                f"({exc.msg}): {line[:80]!r}. Fix or remove that line.") from exc
+                raise UserError(
+                    f"data.path={str(file)!r}: line {lineno} is not valid JSON "
+                    f"({exc.msg}): {line[:80]!r}. Fix or remove that line."
+                ) from exc
     if not isinstance(rows, list):
-        raise UserError(f"data.path={str(file)!r}: expected JSON Lines (one object per line) or a JSON array.")
+        raise UserError(
+            f"data.path={str(file)!r}: expected JSON Lines (one object per line) or a JSON array."
+        )
     for i, r in enumerate(rows, start=1):
         if not isinstance(r, dict):
-            raise UserError(f"data.path={str(file)!r}: record {i} is {type(r).__name__} {str(r)[:60]!r}, not a "
-                            "JSON object; every record must be an object with a prompt field.")
+            raise UserError(
+                f"data.path={str(file)!r}: record {i} is {type(r).__name__} {str(r)[:60]!r}, not a "
+                "JSON object; every record must be an object with a prompt field."
+            )
     return rows
 
 
 def check_prompt_column(rows: list[dict], prompt_column: str, where: str) -> None:
     """Every row has a prompt: a non-empty string or a list of {role, content} messages."""
     if rows and not any(prompt_column in row for row in rows):
-        raise UserError(f"{where} has no column {prompt_column!r} (columns: {', '.join(map(str, rows[0]))}); "
-                        f"set data.prompt_column to the column that holds the prompts.")
+        raise UserError(
+            f"{where} has no column {prompt_column!r} (columns: {', '.join(map(str, rows[0]))}); "
+            f"set data.prompt_column to the column that holds the prompts."
+        )
     for i, row in enumerate(rows, start=1):
         prompt = row.get(prompt_column)
         if isinstance(prompt, str) and prompt.strip():
             continue
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in prompt):
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in prompt)
+        ):
             continue
-        raise UserError(f"{where}: record {i} has no usable {prompt_column!r} (got {str(prompt)[:60]!r}); each "
-                        "prompt must be a non-empty string or a list of {\"role\": ..., \"content\": ...} "
-                        "messages. Fix or remove that record.")
+        raise UserError(
+            f"{where}: record {i} has no usable {prompt_column!r} (got {str(prompt)[:60]!r}); each "
+            'prompt must be a non-empty string or a list of {"role": ..., "content": ...} '
+            "messages. Fix or remove that record."
+        )
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -167,8 +203,10 @@ def format_prompt(prompt: Any, tokenizer, *, system_prompt: str | None, use_chat
     is_chat = isinstance(prompt, list)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if is_chat and not has_template:
-        raise UserError("the dataset's prompts are chat messages but the tokenizer has no chat "
-                        "template; set model.chat_template to a Jinja template, or give plain-text prompts.")
+        raise UserError(
+            "the dataset's prompts are chat messages but the tokenizer has no chat "
+            "template; set model.chat_template to a Jinja template, or give plain-text prompts."
+        )
     if is_chat or (use_chat_template and has_template):
         messages = list(prompt) if is_chat else [{"role": "user", "content": str(prompt)}]
         if system_prompt and not any(m.get("role") == "system" for m in messages):
@@ -177,26 +215,38 @@ def format_prompt(prompt: Any, tokenizer, *, system_prompt: str | None, use_chat
     return f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt)
 
 
-def _to_examples(rows: list[dict], tokenizer, *, prompt_column: str, system_prompt: str | None,
-                 use_chat_template: bool, max_prompt_length: int, long_prompts: str,
-                 where: str) -> tuple[list[Example], int, int]:
+def _to_examples(
+    rows: list[dict],
+    tokenizer,
+    *,
+    prompt_column: str,
+    system_prompt: str | None,
+    use_chat_template: bool,
+    max_prompt_length: int,
+    long_prompts: str,
+    where: str,
+) -> tuple[list[Example], int, int]:
     check_prompt_column(rows, prompt_column, where)
     examples, dropped, truncated = [], 0, 0
     for row in rows:
-        text = format_prompt(row[prompt_column], tokenizer, system_prompt=system_prompt,
-                             use_chat_template=use_chat_template)
+        text = format_prompt(
+            row[prompt_column], tokenizer, system_prompt=system_prompt, use_chat_template=use_chat_template
+        )
         # A chat template already holds the special tokens the model expects.
         templated = isinstance(row[prompt_column], list) or (
-            use_chat_template and bool(getattr(tokenizer, "chat_template", None)))
+            use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+        )
         ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
         if len(ids) > max_prompt_length:
             if long_prompts == "drop":
                 dropped += 1
                 continue
             if long_prompts == "error":
-                raise UserError(f"a prompt in {where} has {len(ids)} tokens, over "
-                                f"sampler.max_prompt_length={max_prompt_length}: {str(row[prompt_column])[:80]!r}. "
-                                "Raise the limit or set data.long_prompts=drop.")
+                raise UserError(
+                    f"a prompt in {where} has {len(ids)} tokens, over "
+                    f"sampler.max_prompt_length={max_prompt_length}: {str(row[prompt_column])[:80]!r}. "
+                    "Raise the limit or set data.long_prompts=drop."
+                )
             ids = ids[-max_prompt_length:]  # truncate_left: keep the end, where the question is
             truncated += 1
         columns = {k: v for k, v in row.items() if k != prompt_column}
@@ -204,14 +254,32 @@ def _to_examples(rows: list[dict], tokenizer, *, prompt_column: str, system_prom
     return examples, dropped, truncated
 
 
-def read_rows(*, source: str, path: str | None, subset: str | None, split: str, eval_split: str | None,
-              eval_size: int, prompt_column: str, num_examples: int, max_operand: int, max_multiplier: int,
-              operations: list[str], seed: int) -> tuple[list[dict], list[dict]]:
+def read_rows(
+    *,
+    source: str,
+    path: str | None,
+    subset: str | None,
+    split: str,
+    eval_split: str | None,
+    eval_size: int,
+    prompt_column: str,
+    num_examples: int,
+    max_operand: int,
+    max_multiplier: int,
+    operations: list[str],
+    seed: int,
+) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows), read and checked without a tokenizer, so bad data fails
     before any model is loaded."""
     if source == "arithmetic":
-        return arithmetic_rows(num_examples, eval_size, max_operand=max_operand, max_multiplier=max_multiplier,
-                               operations=list(operations), seed=seed)
+        return arithmetic_rows(
+            num_examples,
+            eval_size,
+            max_operand=max_operand,
+            max_multiplier=max_multiplier,
+            operations=list(operations),
+            seed=seed,
+        )
     rows = _load_table(path, subset, split, source)
     if not rows:
         raise UserError(f"data.path={path!r} holds no rows; give a dataset with at least one prompt.")
@@ -237,34 +305,83 @@ def _fill_columns(rows: list[dict]) -> list[dict]:
     return [{name: row.get(name) for name in names} for row in rows]
 
 
-def build_prompts(train_rows: list[dict], eval_rows: list[dict], *, tokenizer, source: str, path: str | None,
-                  prompt_column: str, system_prompt: str | None, use_chat_template: bool, long_prompts: str,
-                  max_prompt_length: int) -> PromptData:
+def build_prompts(
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    *,
+    tokenizer,
+    source: str,
+    path: str | None,
+    prompt_column: str,
+    system_prompt: str | None,
+    use_chat_template: bool,
+    long_prompts: str,
+    max_prompt_length: int,
+) -> PromptData:
     """Format and tokenize the rows; apply the long-prompt rule."""
-    kw = dict(prompt_column=prompt_column, system_prompt=system_prompt,
-              use_chat_template=use_chat_template, max_prompt_length=max_prompt_length,
-              long_prompts=long_prompts)
+    kw = dict(
+        prompt_column=prompt_column,
+        system_prompt=system_prompt,
+        use_chat_template=use_chat_template,
+        max_prompt_length=max_prompt_length,
+        long_prompts=long_prompts,
+    )
     train, d1, t1 = _to_examples(train_rows, tokenizer, where=f"data ({source} {path or ''})".strip(), **kw)
     evals, d2, t2 = _to_examples(eval_rows, tokenizer, where="the eval split", **kw)
     if not train:
-        raise UserError(f"every training prompt is longer than sampler.max_prompt_length={max_prompt_length} "
-                        f"tokens ({d1} dropped); raise sampler.max_prompt_length or shorten the prompts.")
+        raise UserError(
+            f"every training prompt is longer than sampler.max_prompt_length={max_prompt_length} "
+            f"tokens ({d1} dropped); raise sampler.max_prompt_length or shorten the prompts."
+        )
     return PromptData(train=train, eval=evals, dropped=d1 + d2, truncated=t1 + t2)
 
 
-def load_prompts(*, tokenizer, source: str, path: str | None, subset: str | None, split: str,
-                 eval_split: str | None, eval_size: int, prompt_column: str,
-                 system_prompt: str | None, use_chat_template: bool, long_prompts: str,
-                 max_prompt_length: int, num_examples: int, max_operand: int,
-                 max_multiplier: int, operations: list[str], seed: int) -> PromptData:
-    train_rows, eval_rows = read_rows(source=source, path=path, subset=subset, split=split, eval_split=eval_split,
-                                      eval_size=eval_size, prompt_column=prompt_column, num_examples=num_examples,
-                                      max_operand=max_operand, max_multiplier=max_multiplier,
-                                      operations=operations, seed=seed)
-    return build_prompts(train_rows, eval_rows, tokenizer=tokenizer, source=source, path=path,
-                         prompt_column=prompt_column, system_prompt=system_prompt,
-                         use_chat_template=use_chat_template, long_prompts=long_prompts,
-                         max_prompt_length=max_prompt_length)
+def load_prompts(
+    *,
+    tokenizer,
+    source: str,
+    path: str | None,
+    subset: str | None,
+    split: str,
+    eval_split: str | None,
+    eval_size: int,
+    prompt_column: str,
+    system_prompt: str | None,
+    use_chat_template: bool,
+    long_prompts: str,
+    max_prompt_length: int,
+    num_examples: int,
+    max_operand: int,
+    max_multiplier: int,
+    operations: list[str],
+    seed: int,
+) -> PromptData:
+    train_rows, eval_rows = read_rows(
+        source=source,
+        path=path,
+        subset=subset,
+        split=split,
+        eval_split=eval_split,
+        eval_size=eval_size,
+        prompt_column=prompt_column,
+        num_examples=num_examples,
+        max_operand=max_operand,
+        max_multiplier=max_multiplier,
+        operations=operations,
+        seed=seed,
+    )
+    return build_prompts(
+        train_rows,
+        eval_rows,
+        tokenizer=tokenizer,
+        source=source,
+        path=path,
+        prompt_column=prompt_column,
+        system_prompt=system_prompt,
+        use_chat_template=use_chat_template,
+        long_prompts=long_prompts,
+        max_prompt_length=max_prompt_length,
+    )
 
 
 # ----------------------------------------------------------------------------- prompt stream

@@ -24,27 +24,44 @@ def score_examples(rewards, tokenizer, examples: list[Example], rollout, group_s
         for key, value in ex.columns.items():
             columns.setdefault(key, []).extend([value] * group_size)
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]
-    completion_ids = [ids[mask.bool()].tolist() for ids, mask in
-                      zip(rollout.completion_ids, rollout.completion_mask)]
-    total, per_reward = score_rewards(rewards, texts, prompts=prompts, completion_ids=completion_ids,
-                                      columns=columns)
+    completion_ids = [
+        ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
+    ]
+    total, per_reward = score_rewards(
+        rewards, texts, prompts=prompts, completion_ids=completion_ids, columns=columns
+    )
     return texts, total, per_reward
 
 
-def evaluate(model, tokenizer, examples: list[Example], rewards, *, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
-             greedy: bool = True, batch_size: int = 32) -> dict[str, float]:
+def evaluate(
+    model,
+    tokenizer,
+    examples: list[Example],
+    rewards,
+    *,
+    eos_ids: list[int],
+    pad_id: int,
+    batch_size: int = 32,
+    **sampling,
+) -> dict[str, float]:
     """`eval/reward` (weighted total) and `eval/accuracy` (mean of the accuracy reward, when one
-    is configured) over the examples, one completion each."""
+    is configured) over the examples, one completion each (`sampling`: rollout.sample's
+    settings, build.sampler_kwargs(cfg.sampler, num_generations=1, greedy=True) for greedy)."""
+    if sampling.get("num_generations", 1) != 1:
+        raise ValueError("evaluate scores one completion per example: num_generations must be 1")
     was_training = model.training
     model.eval()
     totals, accuracy = [], []
     try:
         for start in range(0, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
-            rollout = sample(model, [ex.prompt_ids for ex in chunk], num_generations=1,
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, eos_ids=eos_ids, pad_id=pad_id, greedy=greedy)
+            chunk = examples[start : start + batch_size]
+            rollout = sample(
+                model,
+                [ex.prompt_ids for ex in chunk],
+                eos_ids=eos_ids,
+                pad_id=pad_id,
+                **{"num_generations": 1, **sampling},
+            )
             _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout, 1)
             totals += total
             if "accuracy" in per_reward:

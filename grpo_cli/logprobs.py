@@ -57,11 +57,17 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)  # [B, T]
 
 
-def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Drop prompt columns that are padding in every row and completion columns past the
-    longest completion: no work on padding beyond the longest sequence."""
-    first = int(prompt_mask.any(0).long().argmax())  # first column with a real token
+def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[int, int]:
+    """(first prompt column holding a real token in some row, completion columns up to the
+    longest completion): the columns outside are padding in every row, no work to spend on."""
+    first = int(prompt_mask.any(0).long().argmax())
     used = int(completion_mask.sum(-1).max().clamp(min=1))
+    return first, used
+
+
+def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The four tensors without the columns that are padding in every row (padding_bounds)."""
+    first, used = padding_bounds(prompt_mask, completion_mask)
     return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :used], completion_mask[:, :used]
 
 
@@ -73,8 +79,9 @@ def shared_prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) ->
     G = int(first[0]) if first.numel() else n  # length of the first run
     if G <= 1 or n % G:
         return 1
-    same = (prompt_ids.view(n // G, G, -1) == prompt_ids[::G, None]).all() and \
-        (prompt_mask.view(n // G, G, -1) == prompt_mask[::G, None]).all()
+    same = (prompt_ids.view(n // G, G, -1) == prompt_ids[::G, None]).all() and (
+        prompt_mask.view(n // G, G, -1) == prompt_mask[::G, None]
+    ).all()
     return G if bool(same) else 1
 
 
@@ -94,30 +101,54 @@ def _forward_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
     if not use_cache:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [B, P+C]
-        logits = model_logits(model, input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids_from_mask(attention_mask), logits_to_keep=C + 1,
-                              use_cache=False)  # [B, C+1, V]
+        logits = model_logits(
+            model,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            logits_to_keep=C + 1,
+            use_cache=False,
+        )  # [B, C+1, V]
         return logits[:, :-1, :]  # [B, C, V]: logits[:, i] predicts completion token i
     from transformers import DynamicCache
 
     p_ids, p_mask = prompt_ids[::G], prompt_mask[::G].long()  # [B/G, P]
     cache = DynamicCache()
-    first = model_logits(model, input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids_from_mask(p_mask),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)  # [B/G, 1, V]
+    first = model_logits(
+        model,
+        input_ids=p_ids,
+        attention_mask=p_mask,
+        position_ids=position_ids_from_mask(p_mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )  # [B/G, 1, V]
     first_logits = first.repeat_interleave(G, dim=0)  # [B, 1, V]: scores completion token 0
     if C == 1:
         return first_logits
     cache.batch_repeat_interleave(G)  # [B/G, ...] -> [B, ...], differentiable
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1).long()  # [B, P+C-1]
-    rest = model_logits(model, input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
-                        position_ids=position_ids_from_mask(attention_mask)[:, prompt_ids.shape[1]:],
-                        past_key_values=cache, use_cache=True)  # [B, C-1, V]
+    rest = model_logits(
+        model,
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask)[:, prompt_ids.shape[1] :],
+        past_key_values=cache,
+        use_cache=True,
+    )  # [B, C-1, V]
     return torch.cat([first_logits, rest], dim=1)  # [B, C, V]
 
 
-def token_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                   completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
-                   temperature: float, with_entropy: bool = False):
+def token_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+):
     """Log-probs of each completion token under softmax(logits / temperature).
 
     prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C] are

@@ -4,7 +4,7 @@ Nothing here knows about models, configs or optimizers. The training engine
 computes per-token log-probs, calls :func:`group_advantages` once per rollout,
 :func:`loss_normalizers` once per optimizer step, and :func:`grpo_loss` once per
 micro-batch. References like ``ref 002`` point at the numbered rules of
-``shared/reference/README.md``.
+``docs/reference.md``.
 
 Shapes
 ------
@@ -78,6 +78,7 @@ from torch import Tensor
 
 __all__ = [
     "group_advantages",
+    "zero_std_groups",
     "loss_normalizers",
     "grpo_loss",
     "importance_ratio",
@@ -97,15 +98,14 @@ STD_KINDS = ("population", "sample")
 ESTIMATORS = ("grpo", "rloo")
 IS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ZERO_STD_MODES = ("mask", "weight", "keep")
+SAMPLER_CORRECTIONS = ("none", "tis")  # tis: truncated_importance_weights
 
 
 def _check_choice(name: str, value: object, valid: tuple[str, ...]) -> None:
     if value not in valid:
-        raise ValueError(
-            f"unknown {name}={value!r}; valid values: {', '.join(repr(v) for v in valid)}"
-        )
+        raise ValueError(f"unknown {name}={value!r}; valid values: {', '.join(repr(v) for v in valid)}")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,6 +127,20 @@ def _std(x: Tensor, dim: int | None, kind: str) -> Tensor:
 
 
 # --------------------------------------------------------------------------- advantages
+
+
+def zero_std_groups(
+    rewards: Tensor, group_size: int, *, std: str = "population", zero_std_threshold: float = 1e-6
+) -> Tensor:
+    """``[B/G]`` bool: the groups whose reward std (of kind ``std``) is below the threshold.
+
+    They carry no learning signal (ref 002). This is the one place that decides it: the
+    advantages, the zero-std flags of the loss and dynamic sampling's choice of groups all
+    come from here.
+    """
+    _check_choice("std", std, STD_KINDS)
+    grouped = rewards.detach().to(_compute_dtype(rewards.dtype)).view(-1, group_size)  # [B/G, G]
+    return _std(grouped, dim=1, kind=std) < zero_std_threshold  # [B/G]
 
 
 def group_advantages(
@@ -184,7 +198,7 @@ def group_advantages(
 
     mean = grouped.mean(dim=1, keepdim=True)  # [B/G, 1]
     g_std = _std(grouped, dim=1, kind=std)  # [B/G]
-    zero_std_groups = g_std < zero_std_threshold  # [B/G] bool
+    flagged = zero_std_groups(r, group_size, std=std, zero_std_threshold=zero_std_threshold)  # [B/G] bool
 
     centered = grouped - mean  # [B/G, G]
     if estimator == "rloo":
@@ -201,10 +215,10 @@ def group_advantages(
 
     # ref 002: a group without reward spread carries no signal; its advantages are
     # exactly 0 (not ~1e-9/eps noise from float rounding of the mean).
-    adv = torch.where(zero_std_groups.unsqueeze(1), torch.zeros_like(adv), adv)  # [B/G, G]
+    adv = torch.where(flagged.unsqueeze(1), torch.zeros_like(adv), adv)  # [B/G, G]
 
     advantages = adv.reshape(-1)  # [B]
-    zero_std = zero_std_groups.repeat_interleave(group_size)  # [B] bool
+    zero_std = flagged.repeat_interleave(group_size)  # [B] bool
     group_std = g_std.repeat_interleave(group_size)  # [B]
     return advantages, zero_std, group_std
 
@@ -245,9 +259,7 @@ def loss_normalizers(
     if mask.dim() != 2:
         raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
     if zero_std is not None and tuple(zero_std.shape) != (mask.shape[0],):
-        raise ValueError(
-            f"zero_std must be [B]={mask.shape[0]}, got shape {tuple(zero_std.shape)}"
-        )
+        raise ValueError(f"zero_std must be [B]={mask.shape[0]}, got shape {tuple(zero_std.shape)}")
     valid = _effective_mask(mask, zero_std, zero_std_mode)  # [B, T] bool
     num_sequences = int(valid.any(dim=1).sum().item())
     num_tokens = int(valid.sum().item())
@@ -461,8 +473,12 @@ def grpo_loss(
         raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
     shape = tuple(logps.shape)
     batch, seq_len = shape
-    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("mask", mask),
-                    ("importance_weights", importance_weights)):
+    for name, t in (
+        ("old_logps", old_logps),
+        ("ref_logps", ref_logps),
+        ("mask", mask),
+        ("importance_weights", importance_weights),
+    ):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have the shape of logps {shape}, got {tuple(t.shape)}")
     for name, t in (("advantages", advantages), ("zero_std_flags", zero_std_flags), ("group_std", group_std)):
@@ -494,7 +510,9 @@ def grpo_loss(
     per_token_loss = -torch.minimum(unclipped * adv, clipped * adv)  # [B, T]
     if importance_weights is not None:
         # Off-policy correction of the samples (TIS), on the policy term only, as TRL does.
-        per_token_loss = per_token_loss * importance_weights.detach().to(device=device, dtype=cdtype)  # [B, T]
+        per_token_loss = per_token_loss * importance_weights.detach().to(
+            device=device, dtype=cdtype
+        )  # [B, T]
 
     # ---- KL term (computed whenever ref_logps is given, for the stat)
     if ref_logps is not None:

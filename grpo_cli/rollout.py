@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 
-from grpo_cli.logprobs import model_logits, position_ids_from_mask
+from grpo_cli.logprobs import model_logits, padding_bounds, position_ids_from_mask
 
 
 @dataclass
@@ -29,10 +29,34 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
     truncated: torch.Tensor  # [N] bool: no EOS within max_new_tokens
     sampler_logps: torch.Tensor  # [N, C] fp32 log-probs of the sampled tokens, tempered
+    # Filled by the trainer once the rollout is scored (None until then):
+    rewards: torch.Tensor | None = None  # [N] weighted total reward
+    advantages: torch.Tensor | None = None  # [N] per group (loss.group_advantages), detached
+    zero_std: torch.Tensor | None = None  # [N] bool: the row's group carries no signal
+    group_std: torch.Tensor | None = None  # [N] the row's group reward std
+    loss_mask: torch.Tensor | None = None  # [N, C] completion tokens that may enter the loss
+    ref_logps: torch.Tensor | None = None  # [N, C] reference-model log-probs (loss.beta > 0)
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)  # [N]
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(prompt_ids, prompt_mask, completion_ids, completion_mask): what logprobs.token_logprobs scores."""
+        return self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask
+
+    def rows(self, index: torch.Tensor) -> Rollout:
+        """A micro-batch: the rows `index` [n], without the prompt columns that are padding in all
+        of them and the completion columns past their longest completion."""
+        sub = select(self, index)
+        first, used = padding_bounds(sub.prompt_mask, sub.completion_mask)
+        trimmed = {f.name: getattr(sub, f.name) for f in fields(self) if getattr(sub, f.name) is not None}
+        for name in ("prompt_ids", "prompt_mask"):
+            trimmed[name] = trimmed[name][:, first:]  # [n, P']
+        for name in ("completion_ids", "completion_mask", "sampler_logps", "loss_mask", "ref_logps"):
+            if name in trimmed:
+                trimmed[name] = trimmed[name][:, :used]  # [n, C']
+        return replace(sub, **trimmed)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +65,8 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -98,8 +122,11 @@ class few_rows_linears:
 
     def __enter__(self):
         with _patch_lock:
-            layers = [m for m in self.model.modules() if type(m) is torch.nn.Linear
-                      and (m in _patch_counts or "forward" not in m.__dict__)]  # ours, or unpatched
+            layers = [
+                m
+                for m in self.model.modules()
+                if type(m) is torch.nn.Linear and (m in _patch_counts or "forward" not in m.__dict__)
+            ]  # ours, or unpatched
             for layer in layers:
                 count = _patch_counts.get(layer, 0)
                 if count == 0:
@@ -137,8 +164,9 @@ def sampling_cdf(probs: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return torch.cumsum(out.copy_(probs.detach()), -1, out=out)  # [N, V]: no gradient through sampling
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None,
-         u: torch.Tensor | None = None) -> torch.Tensor:
+def draw(
+    probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row of probs [N, V], by inverting the CDF with one uniform per row.
 
     Token i of a row is drawn with probability probs[i] / probs.sum() up to float64 rounding
@@ -157,7 +185,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None,
     buf = torch.empty((rows, V), dtype=torch.float64, device=probs.device)
     tokens = []
     for p, uu in zip(probs.split(rows), u.split(rows)):  # [n, V], [n, 1]
-        cdf = sampling_cdf(p, out=buf[:p.shape[0]])  # [n, V]
+        cdf = sampling_cdf(p, out=buf[: p.shape[0]])  # [n, V]
         total = cdf[:, -1:]  # [n, 1]
         # u < 1, but u * total may round up to total; the largest double below total keeps the
         # search inside the last token with mass (not a zero-probability token after it).
@@ -168,9 +196,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None,
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tokens: int,
-           temperature: float, top_p: float = 1.0, top_k: int = 0, eos_ids: list[int],
-           pad_id: int, greedy: bool = False, generator: torch.Generator | None = None) -> Rollout:
+def sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_ids: list[int],
+    pad_id: int,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> Rollout:
     """`num_generations` completions of each prompt (token ids), rows grouped by prompt."""
     from transformers import DynamicCache
 
@@ -178,9 +217,15 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
     unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
     # Each prompt is prefilled once; its KV cache is then shared by its G completions.
     cache = DynamicCache()
-    logits = model_logits(model, input_ids=unique_ids, attention_mask=unique_mask,
-                          position_ids=position_ids_from_mask(unique_mask), past_key_values=cache,
-                          use_cache=True, logits_to_keep=1)  # [B, 1, V]
+    logits = model_logits(
+        model,
+        input_ids=unique_ids,
+        attention_mask=unique_mask,
+        position_ids=position_ids_from_mask(unique_mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )  # [B, 1, V]
     cache.batch_repeat_interleave(num_generations)
     logits = logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
     prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
@@ -210,14 +255,22 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
             position_ids = position_ids[:, -1:] + 1
-            logits = model_logits(model, input_ids=token[:, None], attention_mask=attention_mask,
-                                  position_ids=position_ids, past_key_values=cache, use_cache=True)[:, -1, :]
+            logits = model_logits(
+                model,
+                input_ids=token[:, None],
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )[:, -1, :]
 
     completion_ids = torch.stack(tokens, dim=1)  # [N, C]
     is_eos = torch.isin(completion_ids, eos)  # [N, C]
     C = completion_ids.shape[1]
     # Index of the first EOS (C when none): tokens up to and including it are the completion.
-    first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long))
+    first_eos = torch.where(
+        is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long)
+    )
     completion_mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long()
     return Rollout(
         prompt_ids=prompt_ids,
@@ -231,11 +284,17 @@ def sample(model, prompts: list[list[int]], *, num_generations: int, max_new_tok
 
 def select(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     """The given rows (index tensor [n]) of a rollout."""
-    return Rollout(*(getattr(rollout, f)[rows] for f in Rollout.__dataclass_fields__))
+    return Rollout(
+        **{
+            f.name: None if getattr(rollout, f.name) is None else getattr(rollout, f.name)[rows]
+            for f in fields(Rollout)
+        }
+    )
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
-    """Stack rollouts of different widths: prompts stay left-padded, completions right-padded."""
+    """Stack sampled (and scored) rollouts of different widths: prompts stay left-padded,
+    completions right-padded."""
     if len(rollouts) == 1:
         return rollouts[0]
     P = max(r.prompt_ids.shape[1] for r in rollouts)
@@ -254,4 +313,7 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         completion_mask=torch.cat([pad(r.completion_mask, C, 0, False) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         sampler_logps=torch.cat([pad(r.sampler_logps, C, 0.0, False) for r in rollouts]),
+        rewards=torch.cat([r.rewards for r in rollouts])
+        if all(r.rewards is not None for r in rollouts)
+        else None,
     )

@@ -45,30 +45,39 @@ class LogprobCheck:
         mean_tol, max_tol = self.tolerance
         return self.valid_tokens > 0 and self.mean_abs_diff <= mean_tol and self.max_abs_diff <= max_tol
 
-    def merge(self, other: "LogprobCheck | None") -> "LogprobCheck":
+    def merge(self, other: LogprobCheck | None) -> LogprobCheck:
         """This check and `other` (of other micro-batches of the same step) as one."""
         if other is None:
             return self
-        return LogprobCheck(self.sum_abs_diff + other.sum_abs_diff, max(self.max_abs_diff, other.max_abs_diff),
-                            self.valid_tokens + other.valid_tokens, self.tolerance)
+        return LogprobCheck(
+            self.sum_abs_diff + other.sum_abs_diff,
+            max(self.max_abs_diff, other.max_abs_diff),
+            self.valid_tokens + other.valid_tokens,
+            self.tolerance,
+        )
 
     def describe(self) -> str:
         mean_tol, max_tol = self.tolerance
-        return (f"|trainer - sampler| log-prob mean {self.mean_abs_diff:.2e} (tolerance {mean_tol:g}), "
-                f"max {self.max_abs_diff:.2e} (tolerance {max_tol:g}) over {self.valid_tokens} tokens")
+        return (
+            f"|trainer - sampler| log-prob mean {self.mean_abs_diff:.2e} (tolerance {mean_tol:g}), "
+            f"max {self.max_abs_diff:.2e} (tolerance {max_tol:g}) over {self.valid_tokens} tokens"
+        )
 
 
-def compare_logprobs(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
-                     precision: str) -> LogprobCheck:
+def compare_logprobs(
+    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, precision: str
+) -> LogprobCheck:
     valid = mask.bool()  # [B, C]
     diff = (trainer_logps.float() - sampler_logps.float()).abs()[valid]  # [valid tokens]
-    return LogprobCheck(float(diff.sum()), float(diff.max()) if diff.numel() else 0.0, int(valid.sum()),
-                        TOLERANCE[precision])
+    return LogprobCheck(
+        float(diff.sum()), float(diff.max()) if diff.numel() else 0.0, int(valid.sum()), TOLERANCE[precision]
+    )
 
 
 @torch.no_grad()
-def diagnose(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logps,
-             temperature: float) -> str:
+def diagnose(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logps, temperature: float
+) -> str:
     """Recompute the log-probs the usual wrong ways; the one that matches the sampler names the bug."""
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attn = torch.cat([prompt_mask, completion_mask], 1).long()
@@ -82,13 +91,63 @@ def diagnose(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sa
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model_logits(model, input_ids=input_ids, attention_mask=attn, position_ids=pos).float()
     probes["temperature (trainer and sampler use different temperatures)"] = err(
-        selective_logprobs(logits[:, -C - 1:-1], completion_ids))
+        selective_logprobs(logits[:, -C - 1 : -1], completion_ids)
+    )
     probes["shift (logits at t must score token t+1)"] = err(
-        selective_logprobs(logits[:, -C:] / temperature, completion_ids))
+        selective_logprobs(logits[:, -C:] / temperature, completion_ids)
+    )
     plain = model_logits(model, input_ids=input_ids).float()
     probes["padding (attention mask / position ids ignored)"] = err(
-        selective_logprobs(plain[:, -C - 1:-1] / temperature, completion_ids))
+        selective_logprobs(plain[:, -C - 1 : -1] / temperature, completion_ids)
+    )
     best = min(probes, key=probes.get)
     lines = [f"  {name}: max diff {value:.3g}" for name, value in probes.items()]
-    return (f"likely cause: {best}\nprobes (a small diff means that mistake reproduces the "
-            "sampler's numbers):\n" + "\n".join(lines))
+    return (
+        f"likely cause: {best}\nprobes (a small diff means that mistake reproduces the "
+        "sampler's numbers):\n" + "\n".join(lines)
+    )
+
+
+def check_micro_batch(
+    policy, logps: torch.Tensor, mb, precision: str, temperature: float, worst: LogprobCheck | None
+) -> LogprobCheck:
+    """Step-0 self-check (ref 000.8) of one micro-batch `mb` (a rollout.Rollout) of the first step,
+    before any update: the trainer's log-probs [b, C] equal the sampler's within the precision's
+    tolerance (same tempered distribution, same shift and padding). Raises SelfCheckError with a
+    diagnosis; returns this micro-batch's check merged with `worst` (the earlier micro-batches')."""
+    check = compare_logprobs(logps.detach(), mb.sampler_logps, mb.completion_mask, precision)
+    if not check.ok:
+        with torch.no_grad():
+            why = diagnose(
+                policy,
+                mb.prompt_ids,
+                mb.prompt_mask,
+                mb.completion_ids,
+                mb.completion_mask,
+                mb.sampler_logps,
+                temperature,
+            )
+        raise SelfCheckError(
+            f"step-0 self-check failed ({precision}): {check.describe()}, so the trainer does not score "
+            f"the distribution the sampler drew from.\n{why}"
+        )
+    return check.merge(worst)
+
+
+def report(
+    check: LogprobCheck, advantages: torch.Tensor, zero_std: torch.Tensor, micro_batches: int, log
+) -> None:
+    """The self-check's one line: how close the log-probs were, and the advantages' signs."""
+    signs = (
+        "both signs"
+        if (advantages > 0).any() and (advantages < 0).any()
+        else (
+            "every group zero-std (no learning signal in this batch)"
+            if bool(zero_std.all())
+            else "one sign only"
+        )
+    )
+    log.print(
+        f"self-check ok: {check.describe()} of the first step "
+        f"({micro_batches} micro-batch{'es' if micro_batches > 1 else ''}); advantages: {signs}"
+    )

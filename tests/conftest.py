@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -31,10 +32,36 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    import grpo_cli.train  # noqa: F401  registers the schema and the run-id resolver
+    import grpo_cli.config  # noqa: F401  registers the schema and the run-id resolver
 
     def _compose(overrides: list[str] | None = None):
         with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
             return hydra_compose(config_name="config", overrides=overrides or [])
 
     return _compose
+
+
+# A test that starts a process (a console script, a fault-injecting grpo-train) is in the slow
+# tier; `pytest -m "not slow"` runs the rest, the inner loop of development (under 2 minutes).
+_STARTS_A_PROCESS = ("run_cli(", "console_script(", "subprocess.", "start(")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fn = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(fn) if fn is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        if any(call in source for call in _STARTS_A_PROCESS):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    # Under pytest-xdist each worker is a process of its own: two workers with torch's default of
+    # one thread per core would wait on each other on a 2-core machine.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")

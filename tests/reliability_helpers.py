@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 
-
 # ----------------------------------------------------------------------------- rewards
 
 
@@ -50,17 +49,17 @@ def install(spec: str) -> None:
 
     import torch
 
-    from grpo_cli import checkpoint, engine, metrics
+    from grpo_cli import build, checkpoint, engine, metrics
 
     kind, _, arg = spec.partition(":")
     if kind == "signal_during_build":
-        original_load_tokenizer = engine.load_tokenizer
+        original_load_tokenizer = build.load_tokenizer
 
         def load_tokenizer(*a, **kw):
             _kill(getattr(signal, arg))
             return original_load_tokenizer(*a, **kw)
 
-        engine.load_tokenizer = load_tokenizer
+        build.load_tokenizer = load_tokenizer
         return
     if kind == "signal_after_step":
         step, _, name = arg.partition(":")
@@ -77,10 +76,10 @@ def install(spec: str) -> None:
     saving = {"step": None}
     original_save = checkpoint.save_checkpoint
 
-    def save_checkpoint(run_dir, s, **kw):
-        saving["step"] = s
-        path = original_save(run_dir, s, **kw)
-        if kind == "kill_after_save" and s == step:
+    def save_checkpoint(run_dir, state, **kw):
+        saving["step"] = state.step
+        path = original_save(run_dir, state, **kw)
+        if kind == "kill_after_save" and state.step == step:
             _kill()
         return path
 
@@ -135,7 +134,7 @@ def main() -> None:
     spec = os.environ.get("GRPO_TEST_FAULT")
     if spec:
         install(spec)
-    from grpo_cli.train import main as train_main
+    from grpo_cli.cli.train import main as train_main
 
     sys.argv[0] = "grpo-train"
     train_main()

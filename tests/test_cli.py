@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
-
 from conftest import console_script, run_cli
+
+# Console scripts and end-to-end runs: the slow tier (pytest -m "not slow" skips them).
+pytestmark = pytest.mark.slow
 
 
 def test_cfg_job_prints_composed_config(tmp_path):
-    res = run_cli([console_script("grpo-train"), "--cfg", "job", "model=qwen0.5b",
-                   "reward=[accuracy,format]", "loss.beta=0.04"], cwd=tmp_path)
+    res = run_cli(
+        [
+            console_script("grpo-train"),
+            "--cfg",
+            "job",
+            "model=qwen0.5b",
+            "reward=[accuracy,format]",
+            "loss.beta=0.04",
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     cfg = yaml.safe_load(res.stdout)
     assert cfg["model"]["name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
@@ -21,8 +33,7 @@ def test_cfg_job_prints_composed_config(tmp_path):
 
 
 def test_bad_value_is_a_friendly_error_with_exit_2_and_no_artefacts(tmp_path):
-    res = run_cli([console_script("grpo-train"), "loss.beta=-1", "sampler.num_generations=1"],
-                  cwd=tmp_path)
+    res = run_cli([console_script("grpo-train"), "loss.beta=-1", "sampler.num_generations=1"], cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     assert "loss.beta=-1.0" in res.stderr and "sampler.num_generations=1" in res.stderr
@@ -39,8 +50,17 @@ def test_compose_error_exits_2_without_traceback(tmp_path):
 def test_user_config_dir_adds_a_preset(tmp_path):
     (tmp_path / "my_conf" / "model").mkdir(parents=True)
     (tmp_path / "my_conf" / "model" / "mine.yaml").write_text("name_or_path: /models/mine\n")
-    res = run_cli([console_script("grpo-train"), "--config-dir", str(tmp_path / "my_conf"),
-                   "model=mine", "--cfg", "job"], cwd=tmp_path)
+    res = run_cli(
+        [
+            console_script("grpo-train"),
+            "--config-dir",
+            str(tmp_path / "my_conf"),
+            "model=mine",
+            "--cfg",
+            "job",
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     assert yaml.safe_load(res.stdout)["model"]["name_or_path"] == "/models/mine"
 
@@ -48,8 +68,16 @@ def test_user_config_dir_adds_a_preset(tmp_path):
 def test_check_env_reports_and_exits_0(tmp_path):
     res = run_cli([console_script("grpo-check-env")], cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    for needle in ("torch", "transformers", "hydra-core", "cuda available", "bf16 supported",
-                   "precision", "cpu cores", "status: OK"):
+    for needle in (
+        "torch",
+        "transformers",
+        "hydra-core",
+        "cuda available",
+        "bf16 supported",
+        "precision",
+        "cpu cores",
+        "status: OK",
+    ):
         assert needle in res.stdout, needle
     res = run_cli([console_script("grpo-check-env"), "--json"], cwd=tmp_path)
     info = json.loads(res.stdout)
@@ -61,26 +89,51 @@ def test_check_env_fails_on_a_broken_package(tmp_path):
     broken = tmp_path / "shadow" / "datasets"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('simulated broken install')\n")
-    res = run_cli([console_script("grpo-check-env")], cwd=tmp_path,
-                  env={"PYTHONPATH": str(tmp_path / "shadow")})
+    res = run_cli(
+        [console_script("grpo-check-env")], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "shadow")}
+    )
     assert res.returncode == 1
     assert "datasets" in res.stdout and "simulated broken install" in res.stdout
 
 
 def test_multirun_composes_two_jobs(tmp_path):
     sweep = tmp_path / "sweep"
-    res = run_cli([console_script("grpo-train"), "-m", "loss.beta=0,0.04", "model=tiny",
-                   "trainer=smoke", "trainer.max_steps=1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    res = run_cli(
+        [
+            console_script("grpo-train"),
+            "-m",
+            "loss.beta=0,0.04",
+            "model=tiny",
+            "trainer=smoke",
+            "trainer.max_steps=1",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
-    betas = sorted(yaml.safe_load((sweep / str(i) / "config.yaml").read_text())["loss"]["beta"]
-                   for i in range(2))
+    betas = sorted(
+        yaml.safe_load((sweep / str(i) / "config.yaml").read_text())["loss"]["beta"] for i in range(2)
+    )
     assert betas == [0.0, 0.04]
 
 
 def test_reward_test_prints_a_table_of_each_reward(tmp_path):
-    res = run_cli([console_script("grpo-reward-test"), "reward=[accuracy,format]", "-c", "47",
-                   "-c", "47 or 48", "-c", "470", "--column", "answer=47"], cwd=tmp_path,
-                  env={"COLUMNS": "150"})
+    res = run_cli(
+        [
+            console_script("grpo-reward-test"),
+            "reward=[accuracy,format]",
+            "-c",
+            "47",
+            "-c",
+            "47 or 48",
+            "-c",
+            "470",
+            "--column",
+            "answer=47",
+        ],
+        cwd=tmp_path,
+        env={"COLUMNS": "150"},
+    )
     assert res.returncode == 0, res.stderr
     lines = [line for line in res.stdout.splitlines() if "'47'" in line or "'470'" in line or "or 48" in line]
     cells = [[c.strip() for c in line.split("│") if c.strip()] for line in lines]
@@ -92,8 +145,11 @@ def test_reward_test_prints_a_table_of_each_reward(tmp_path):
 def test_reward_test_reads_a_file_and_reports_unknown_rewards(tmp_path):
     cases = tmp_path / "cases.jsonl"
     cases.write_text('{"completion": "\\\\boxed{3/4}", "answer": "0.75"}\n')
-    res = run_cli([console_script("grpo-reward-test"), "reward=[accuracy]", "--file", str(cases)],
-                  cwd=tmp_path, env={"COLUMNS": "150"})
+    res = run_cli(
+        [console_script("grpo-reward-test"), "reward=[accuracy]", "--file", str(cases)],
+        cwd=tmp_path,
+        env={"COLUMNS": "150"},
+    )
     assert res.returncode == 0, res.stderr
     row = next(line for line in res.stdout.splitlines() if "boxed" in line)
     assert [c.strip() for c in row.split("│") if c.strip()][-2:] == ["1", "1"]  # 3/4 == 0.75
@@ -107,10 +163,22 @@ def test_reward_test_uses_a_user_reward_yaml_from_config_dir(tmp_path):
 
     (tmp_path / "conf" / "reward").mkdir(parents=True)
     (tmp_path / "conf" / "reward" / "code.yaml").write_text(
-        "code:\n  fn: reward_fixtures:char_code\n  weight: 0.5\n")
-    res = run_cli([console_script("grpo-reward-test"), "reward=[accuracy,code]", "--config-dir",
-                   str(tmp_path / "conf"), "-c", "12", "--column", "answer=12"], cwd=tmp_path,
-                  env={"COLUMNS": "150", "PYTHONPATH": str(ROOT / "tests")})
+        "code:\n  fn: reward_fixtures:char_code\n  weight: 0.5\n"
+    )
+    res = run_cli(
+        [
+            console_script("grpo-reward-test"),
+            "reward=[accuracy,code]",
+            "--config-dir",
+            str(tmp_path / "conf"),
+            "-c",
+            "12",
+            "--column",
+            "answer=12",
+        ],
+        cwd=tmp_path,
+        env={"COLUMNS": "150", "PYTHONPATH": str(ROOT / "tests")},
+    )
     assert res.returncode == 0, res.stderr
     row = next(line for line in res.stdout.splitlines() if "'12'" in line)
     cells = [c.strip() for c in row.split("│") if c.strip()]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import CONF
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from conftest import CONF
 from grpo_cli.config import validate
 
 GROUPS = ["model", "data", "reward", "sampler", "loss", "optimizer", "trainer"]
@@ -44,8 +44,13 @@ def test_reward_group_is_multi_select_with_own_weights(compose):
 
 @pytest.mark.parametrize(
     "override",
-    ["loss.beta=abc", "loss.bet=0.1", "sampler.num_generations=eight", "trainer.max_steps=1.5",
-     "model=no_such_model"],
+    [
+        "loss.beta=abc",
+        "loss.bet=0.1",
+        "sampler.num_generations=eight",
+        "trainer.max_steps=1.5",
+        "model=no_such_model",
+    ],
     ids=["wrong-type", "misspelt-key", "wrong-int", "float-for-int", "unknown-option"],
 )
 def test_bad_values_fail_at_compose_time(compose, override):
@@ -69,8 +74,11 @@ VALIDATION_CASES = [
     (["sampler.max_prompt_length=-3"], "sampler.max_prompt_length=-3", "positive"),
     (["trainer.max_steps=0"], "trainer.max_steps=0", "positive"),
     (["trainer.save_steps=0"], "trainer.save_steps=0", "positive"),
-    (["trainer.prompts_per_step=3", "trainer.gradient_accumulation_steps=2"],
-     "prompts_per_step=3", "whole groups"),
+    (
+        ["trainer.prompts_per_step=3", "trainer.gradient_accumulation_steps=2"],
+        "prompts_per_step=3",
+        "whole groups",
+    ),
     (["reward=[]"], "no reward", "reward=[accuracy,format]"),
     (["loss.loss_type=ppo"], "loss.loss_type='ppo'", "grpo, bnpo, dr_grpo, dapo"),
     (["loss.kl_estimator=k4"], "loss.kl_estimator='k4'", "k1, k2, k3"),
@@ -86,8 +94,9 @@ VALIDATION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,bad,fix", VALIDATION_CASES,
-                         ids=[" ".join(c[0]) for c in VALIDATION_CASES])
+@pytest.mark.parametrize(
+    "overrides,bad,fix", VALIDATION_CASES, ids=[" ".join(c[0]) for c in VALIDATION_CASES]
+)
 def test_validation_names_bad_value_and_fix(compose, overrides, bad, fix):
     if overrides == ["data=jsonl"]:
         overrides = ["data=jsonl", "data.path=null"]
@@ -98,6 +107,42 @@ def test_validation_names_bad_value_and_fix(compose, overrides, bad, fix):
 
 
 def test_validation_reports_every_problem_at_once(compose):
-    problems = validate(compose(["loss.beta=-1", "sampler.num_generations=1", "loss.loss_type=x",
-                                 "sampler.temperature=-1"]))
+    problems = validate(
+        compose(["loss.beta=-1", "sampler.num_generations=1", "loss.loss_type=x", "sampler.temperature=-1"])
+    )
     assert len(problems) == 4, problems
+
+
+TYPED_GROUPS = ["data", "sampler", "loss", "optimizer", "trainer"]
+
+
+@pytest.mark.parametrize("group", TYPED_GROUPS)
+def test_the_schema_is_the_one_source_of_every_default(compose, group):
+    """The shipped default config and the schema alone agree on every key of every typed group:
+    a default option's YAML restates nothing, so a user's own preset that leaves a key out gets
+    the same value as the shipped one."""
+    from omegaconf import OmegaConf
+
+    from grpo_cli.config import Config
+
+    shipped = OmegaConf.to_container(compose([])[group], resolve=True)
+    schema = OmegaConf.to_container(OmegaConf.structured(Config)[group], resolve=True)
+    assert shipped == schema
+
+
+@pytest.mark.parametrize("group", TYPED_GROUPS)
+def test_presets_set_only_what_they_change(group):
+    """Every key a shipped preset sets differs from the schema's default (no second source)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from grpo_cli.config import Config
+
+    schema = OmegaConf.to_container(OmegaConf.structured(Config)[group])
+    for path in sorted((CONF / group).glob("*.yaml")):
+        values = yaml.safe_load(path.read_text()) or {}
+        for key, value in values.items():
+            if key == "defaults":
+                continue
+            assert key in schema, f"{path.name}: {key} is not a key of {group}"
+            assert value != schema[key], f"{path.name} restates the schema's default {group}.{key}={value!r}"

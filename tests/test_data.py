@@ -17,16 +17,33 @@ def tok():
 
 
 def load(tok, **overrides):
-    kw = dict(tokenizer=tok, source="arithmetic", path=None, subset=None, split="train", eval_split=None,
-              eval_size=10, prompt_column="prompt", system_prompt=None, use_chat_template=True,
-              long_prompts="drop", max_prompt_length=256, num_examples=50, max_operand=99,
-              max_multiplier=12, operations=["+", "-", "*"], seed=0)
+    kw = dict(
+        tokenizer=tok,
+        source="arithmetic",
+        path=None,
+        subset=None,
+        split="train",
+        eval_split=None,
+        eval_size=10,
+        prompt_column="prompt",
+        system_prompt=None,
+        use_chat_template=True,
+        long_prompts="drop",
+        max_prompt_length=256,
+        num_examples=50,
+        max_operand=99,
+        max_multiplier=12,
+        operations=["+", "-", "*"],
+        seed=0,
+    )
     kw.update(overrides)
     return load_prompts(**kw)
 
 
 def test_arithmetic_is_seeded_unique_and_eval_never_in_train():
-    train, evals = arithmetic_rows(300, 50, max_operand=30, max_multiplier=12, operations=["+", "-", "*"], seed=3)
+    train, evals = arithmetic_rows(
+        300, 50, max_operand=30, max_multiplier=12, operations=["+", "-", "*"], seed=3
+    )
     again, _ = arithmetic_rows(300, 50, max_operand=30, max_multiplier=12, operations=["+", "-", "*"], seed=3)
     assert train == again and len(train) == 300 and len(evals) == 50
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
@@ -45,7 +62,10 @@ def test_arithmetic_rejects_impossible_requests():
 
 def test_jsonl_with_chat_prompts_and_extra_columns(tok, tmp_path):
     path = tmp_path / "d.jsonl"
-    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "level": i % 3} for i in range(20)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "level": i % 3}
+        for i in range(20)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     data = load(tok, source="file", path=str(path), eval_size=4)
     assert len(data.train) == 16 and len(data.eval) == 4
@@ -124,26 +144,48 @@ def test_gsm8k_preset_on_a_local_file_in_the_same_format(compose, tmp_path):
     from grpo_cli.config import validate
     from grpo_cli.rewards import build_rewards, score_rewards
 
-    rows = [{"question": f"Natalia sold {n} clips in April and half as many in May. How many in total?",
-             "answer": f"Natalia sold {n}/2 = <<{n}/2={n // 2}>>{n // 2} clips in May.\n#### {n + n // 2}"}
-            for n in range(2, 42, 2)]
+    rows = [
+        {
+            "question": f"Natalia sold {n} clips in April and half as many in May. How many in total?",
+            "answer": f"Natalia sold {n}/2 = <<{n}/2={n // 2}>>{n // 2} clips in May.\n#### {n + n // 2}",
+        }
+        for n in range(2, 42, 2)
+    ]
     path = tmp_path / "gsm8k.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = compose(["data=gsm8k", "data.source=file", f"data.path={path}", "data.eval_split=null",
-                   "reward=[accuracy]"])
+    cfg = compose(
+        ["data=gsm8k", "data.source=file", f"data.path={path}", "data.eval_split=null", "reward=[accuracy]"]
+    )
     assert validate(cfg) == []
     d = cfg.data
-    data = load_prompts(tokenizer=load_tokenizer(resolve_source("builtin:tiny")), source=d.source, path=d.path,
-                        subset=d.subset, split=d.split, eval_split=d.eval_split, eval_size=d.eval_size,
-                        prompt_column=d.prompt_column, system_prompt=d.system_prompt,
-                        use_chat_template=d.use_chat_template, long_prompts=d.long_prompts,
-                        max_prompt_length=512, num_examples=0, max_operand=1, max_multiplier=1,
-                        operations=["+"], seed=0)
+    data = load_prompts(
+        tokenizer=load_tokenizer(resolve_source("builtin:tiny")),
+        source=d.source,
+        path=d.path,
+        subset=d.subset,
+        split=d.split,
+        eval_split=d.eval_split,
+        eval_size=d.eval_size,
+        prompt_column=d.prompt_column,
+        system_prompt=d.system_prompt,
+        use_chat_template=d.use_chat_template,
+        long_prompts=d.long_prompts,
+        max_prompt_length=512,
+        num_examples=0,
+        max_operand=1,
+        max_multiplier=1,
+        operations=["+"],
+        seed=0,
+    )
     assert len(data.train) + len(data.eval) == 20
     ex = data.train[0]
     total = int(ex.columns["answer"].split("#### ")[1])
     specs = build_rewards(OmegaConf.to_container(cfg.reward))
-    _, per = score_rewards(specs, [f"So the total is {total}. The answer is {total}.", "The answer is 1."],
-                           prompts=[ex.prompt] * 2, completion_ids=None,
-                           columns={"answer": [ex.columns["answer"]] * 2})
+    _, per = score_rewards(
+        specs,
+        [f"So the total is {total}. The answer is {total}.", "The answer is 1."],
+        prompts=[ex.prompt] * 2,
+        completion_ids=None,
+        columns={"answer": [ex.columns["answer"]] * 2},
+    )
     assert per["accuracy"] == [1.0, 0.0]

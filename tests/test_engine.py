@@ -7,12 +7,18 @@ import math
 
 import pytest
 import torch
-
 from conftest import console_script, run_cli
-from grpo_cli.engine import run
 
-TINY = ["model=tiny", "data.num_examples=64", "data.eval_size=8", "sampler.num_generations=4",
-        "sampler.max_new_tokens=8", "trainer.quiet=true"]
+from grpo_cli.cli.train import train_config as run
+
+TINY = [
+    "model=tiny",
+    "data.num_examples=64",
+    "data.eval_size=8",
+    "sampler.num_generations=4",
+    "sampler.max_new_tokens=8",
+    "trainer.quiet=true",
+]
 
 
 def read_metrics(run_dir, training_only=True):
@@ -31,11 +37,22 @@ def test_console_script_trains_checkpoints_and_resumes(tmp_path):
     from grpo_cli.models import build_tiny
 
     run_dir = tmp_path / "run"
-    common = [console_script("grpo-train"), "model=tiny", "reward=[length]", "reward.length.unit=chars",
-              "reward.length.target=4", "loss.beta=0.04", "optimizer.learning_rate=1e-3",
-              "data.num_examples=64", "data.eval_size=4", "sampler.num_generations=4",
-              "sampler.max_new_tokens=8", "trainer.prompts_per_step=2", "trainer.save_steps=2",
-              f"hydra.run.dir={run_dir}"]
+    common = [
+        console_script("grpo-train"),
+        "model=tiny",
+        "reward=[length]",
+        "reward.length.unit=chars",
+        "reward.length.target=4",
+        "loss.beta=0.04",
+        "optimizer.learning_rate=1e-3",
+        "data.num_examples=64",
+        "data.eval_size=4",
+        "sampler.num_generations=4",
+        "sampler.max_new_tokens=8",
+        "trainer.prompts_per_step=2",
+        "trainer.save_steps=2",
+        f"hydra.run.dir={run_dir}",
+    ]
     res = run_cli(common + ["trainer.max_steps=3"], cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "self-check ok" in res.stdout
@@ -47,12 +64,32 @@ def test_console_script_trains_checkpoints_and_resumes(tmp_path):
         for key, value in row.items():
             if isinstance(value, float):
                 assert math.isfinite(value), (key, value)
-    for key in ("reward", "reward_std", "rewards/length/mean", "frac_reward_zero_std", "kl",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "completions/mean_length", "completions/min_length", "completions/max_length",
-                "completions/clipped_ratio", "entropy", "grad_norm", "learning_rate", "loss",
-                "step_time", "tokens_per_second", "pass_rate_hist", "time/rollout", "time/reward",
-                "time/reference", "time/policy", "time/optimizer"):
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/length/mean",
+        "frac_reward_zero_std",
+        "kl",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "entropy",
+        "grad_norm",
+        "learning_rate",
+        "loss",
+        "step_time",
+        "tokens_per_second",
+        "pass_rate_hist",
+        "time/rollout",
+        "time/reward",
+        "time/reference",
+        "time/policy",
+        "time/optimizer",
+    ):
         assert key in rows[0], key
     for row in rows:  # the phases are parts of the step, and beta > 0 here: every phase ran
         phases = [row[k] for k in row if k.startswith("time/")]
@@ -74,10 +111,20 @@ def test_console_script_trains_checkpoints_and_resumes(tmp_path):
 
 
 def test_dynamic_sampling_refills_the_step_with_groups_that_carry_signal(compose, tmp_path):
-    cfg = compose(TINY + ["reward=[accuracy]", "+reward.parity.fn=reward_fixtures:plus_parity",
-                          "reward.accuracy.weight=0", "trainer.dynamic_sampling=true",
-                          "trainer.max_sampling_tries=8", "trainer.prompts_per_step=2",
-                          "trainer.max_steps=2", "data.operations=[+,-]", "loss.beta=0"])
+    cfg = compose(
+        TINY
+        + [
+            "reward=[accuracy]",
+            "+reward.parity.fn=reward_fixtures:plus_parity",
+            "reward.accuracy.weight=0",
+            "trainer.dynamic_sampling=true",
+            "trainer.max_sampling_tries=8",
+            "trainer.prompts_per_step=2",
+            "trainer.max_steps=2",
+            "data.operations=[+,-]",
+            "loss.beta=0",
+        ]
+    )
     run(cfg, tmp_path)
     rows = read_metrics(tmp_path)
     # Minus prompts always give zero-std groups; the step still trained on whole groups with signal.
@@ -90,10 +137,19 @@ def test_dynamic_sampling_refills_the_step_with_groups_that_carry_signal(compose
 def test_truncated_completions_are_masked_when_asked(compose, tmp_path, mask_truncated):
     # sampler.ignore_eos: every completion runs to max_new_tokens and counts as truncated;
     # masking them leaves no token in the loss and no gradient.
-    cfg = compose(TINY + ["reward=[]", "+reward.code.fn=reward_fixtures:char_code",
-                          "sampler.max_new_tokens=3", "sampler.ignore_eos=true", "trainer.max_steps=1", "loss.beta=0",
-                          f"loss.mask_truncated_completions={str(mask_truncated).lower()}",
-                          "data.eval_size=0"])
+    cfg = compose(
+        TINY
+        + [
+            "reward=[]",
+            "+reward.code.fn=reward_fixtures:char_code",
+            "sampler.max_new_tokens=3",
+            "sampler.ignore_eos=true",
+            "trainer.max_steps=1",
+            "loss.beta=0",
+            f"loss.mask_truncated_completions={str(mask_truncated).lower()}",
+            "data.eval_size=0",
+        ]
+    )
     row = run(cfg, tmp_path)
     assert row["completions/clipped_ratio"] == 1.0
     assert row["completions/min_length"] == row["completions/max_length"] == 3.0
@@ -106,18 +162,20 @@ def test_truncated_completions_are_masked_when_asked(compose, tmp_path, mask_tru
 def test_optimizer_is_fused_adamw_with_the_plain_update():
     """build_optimizer uses the fused AdamW kernel (fast on CPU); its update equals the plain
     single-tensor AdamW's, scheduler included."""
-    from grpo_cli.engine import build_optimizer
+    from grpo_cli.optim import build_optimizer
 
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     start = models[0][0].weight.detach().clone()
     kw = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8)
-    ours, sched = build_optimizer(models[0], name="adamw", lr_scheduler="linear", warmup_steps=1,
-                                  total_updates=5, **kw)
+    ours, sched = build_optimizer(
+        models[0].parameters(), lr_scheduler="linear", warmup_steps=1, total_updates=5, **kw
+    )
     assert ours.defaults["fused"]
-    plain = torch.optim.AdamW(models[1].parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
-                              foreach=False)
+    plain = torch.optim.AdamW(
+        models[1].parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, foreach=False
+    )
     plain_sched = torch.optim.lr_scheduler.LambdaLR(plain, sched.lr_lambdas[0])
     for _ in range(4):
         x = torch.randn(8, 16)
@@ -131,12 +189,14 @@ def test_optimizer_is_fused_adamw_with_the_plain_update():
     assert (models[0][0].weight - start).abs().max() > 1e-3  # it did train
 
 
-@pytest.mark.parametrize("value,bad", [(float("nan"), True), (float("inf"), True), (-float("inf"), True),
-                                       (3e38, False), (1.0, False)])
+@pytest.mark.parametrize(
+    "value,bad",
+    [(float("nan"), True), (float("inf"), True), (-float("inf"), True), (3e38, False), (1.0, False)],
+)
 def test_nonfinite_params_finds_exactly_the_bad_tensors(value, bad):
     """The cheap sum-based screen never misses a NaN/inf and never blames a tensor of huge but
     finite values (whose sum overflows)."""
-    from grpo_cli.engine import _nonfinite_params
+    from grpo_cli.guards import nonfinite_params as _nonfinite_params
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     with torch.no_grad():

@@ -36,7 +36,7 @@ def slow_reference(model, prompt: list[int], completion: list[int], temperature:
     logits = model(input_ids=ids).logits[0].float() / temperature  # [L, V]
     logp = F.log_softmax(logits[:-1], dim=-1)  # position t predicts token t+1
     targets = ids[0, 1:]
-    return logp.gather(-1, targets[:, None]).squeeze(-1)[-len(completion):]
+    return logp.gather(-1, targets[:, None]).squeeze(-1)[-len(completion) :]
 
 
 def batch_of(tok, prompts, completions):
@@ -45,8 +45,8 @@ def batch_of(tok, prompts, completions):
     c_ids = torch.full((len(completions), C), tok.pad_token_id)
     c_mask = torch.zeros((len(completions), C), dtype=torch.long)
     for i, c in enumerate(completions):
-        c_ids[i, :len(c)] = torch.tensor(c)
-        c_mask[i, :len(c)] = 1
+        c_ids[i, : len(c)] = torch.tensor(c)
+        c_mask[i, : len(c)] = 1
     return p_ids, p_mask, c_ids, c_mask
 
 
@@ -62,7 +62,7 @@ def test_batched_logprobs_equal_slow_one_at_a_time_reference(tiny, temperature):
     logps = token_logprobs(model, *batch_of(tok, prompts, completions), temperature=temperature)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         expected = slow_reference(model, p, c, temperature)
-        torch.testing.assert_close(logps[i, :len(c)], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logps[i, : len(c)], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_logprobs_do_not_change_when_batched_with_longer_sequences(tiny):
@@ -110,18 +110,22 @@ def test_shared_prompt_forward_matches_full_rows_in_values_and_gradients(tiny, t
     for i in range(valid.shape[0]):  # and both equal the one-sequence textbook computation
         p = batch[0][i][batch[1][i].bool()].tolist()
         c = batch[2][i][valid[i]].tolist()
-        torch.testing.assert_close(shared[i, :len(c)], slow_reference(model, p, c, temperature).detach(),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            shared[i, : len(c)], slow_reference(model, p, c, temperature).detach(), atol=1e-4, rtol=1e-4
+        )
 
 
-@pytest.mark.parametrize("rows,expected", [
-    ([[1, 2], [1, 2], [3, 4], [3, 4]], 2),   # two groups of two
-    ([[1, 2], [1, 2], [1, 2]], 3),           # one group
-    ([[1, 2], [3, 4], [5, 6]], 1),           # no sharing
-    ([[1, 2], [1, 2], [3, 4], [5, 6]], 1),   # runs of unequal length
-    ([[1, 2], [1, 2], [1, 2], [3, 4]], 1),   # 4 rows, first run of 3
-    ([[1, 2], [1, 2], [3, 4], [3, 5]], 1),   # second run differs inside
-])
+@pytest.mark.parametrize(
+    "rows,expected",
+    [
+        ([[1, 2], [1, 2], [3, 4], [3, 4]], 2),  # two groups of two
+        ([[1, 2], [1, 2], [1, 2]], 3),  # one group
+        ([[1, 2], [3, 4], [5, 6]], 1),  # no sharing
+        ([[1, 2], [1, 2], [3, 4], [5, 6]], 1),  # runs of unequal length
+        ([[1, 2], [1, 2], [1, 2], [3, 4]], 1),  # 4 rows, first run of 3
+        ([[1, 2], [1, 2], [3, 4], [3, 5]], 1),  # second run differs inside
+    ],
+)
 def test_shared_prompt_groups_detects_only_equal_runs(rows, expected):
     ids = torch.tensor(rows)
     assert shared_prompt_groups(ids, torch.ones_like(ids)) == expected
@@ -134,7 +138,9 @@ def test_shared_prompt_groups_compares_masks_too():
 
 def test_temperature_is_honoured(tiny):
     model, tok = tiny
-    batch = batch_of(tok, [tok(PROMPTS[0])["input_ids"]], [tok("12345", add_special_tokens=False)["input_ids"]])
+    batch = batch_of(
+        tok, [tok(PROMPTS[0])["input_ids"]], [tok("12345", add_special_tokens=False)["input_ids"]]
+    )
     cold = token_logprobs(model, *batch, temperature=0.5)
     warm = token_logprobs(model, *batch, temperature=1.0)
     assert (cold - warm).abs().max() > 1e-2
@@ -155,12 +161,26 @@ def test_trim_padding_drops_all_pad_columns_only(tiny):
 def test_greedy_rollout_matches_generate(tiny):
     model, tok = tiny
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    r = sample(model, prompts, num_generations=1, max_new_tokens=10, temperature=1.0, greedy=True,
-               eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    r = sample(
+        model,
+        prompts,
+        num_generations=1,
+        max_new_tokens=10,
+        temperature=1.0,
+        greedy=True,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+    )
     ids, mask = left_pad(prompts, tok.pad_token_id, "cpu")
-    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
-    torch.testing.assert_close(r.completion_ids[:, :ref.shape[1]], ref)
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=10,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )[:, ids.shape[1] :]
+    torch.testing.assert_close(r.completion_ids[:, : ref.shape[1]], ref)
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +199,10 @@ def spread_tiny():
 def _pooled(counts: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0):
     """Bins with fewer than min_expected counts pooled into one (the chi-square rule)."""
     small = expected < min_expected
-    return (torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]),
-            torch.cat([expected[~small], expected[small].sum(0, keepdim=True)]))
+    return (
+        torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]),
+        torch.cat([expected[~small], expected[small].sum(0, keepdim=True)]),
+    )
 
 
 def _chi2_fits(counts: torch.Tensor, p: torch.Tensor) -> bool:
@@ -212,13 +234,29 @@ def test_sampling_draws_from_the_same_distribution_as_generate(spread_tiny, temp
     prompt = tok(PROMPTS[0])["input_ids"]
     n, V = 5000, model.config.vocab_size
     torch.manual_seed(1)
-    ours = sample(model, [prompt], num_generations=n, max_new_tokens=2, temperature=temperature,
-                  top_k=top_k, top_p=top_p, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id).completion_ids
+    ours = sample(
+        model,
+        [prompt],
+        num_generations=n,
+        max_new_tokens=2,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+    ).completion_ids
     ids = torch.tensor([prompt])
-    theirs = model.generate(input_ids=ids.expand(n, -1).contiguous(), attention_mask=torch.ones(n, len(prompt), dtype=torch.long),
-                            do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                            max_new_tokens=2, pad_token_id=tok.pad_token_id,
-                            eos_token_id=tok.eos_token_id)[:, len(prompt):]
+    theirs = model.generate(
+        input_ids=ids.expand(n, -1).contiguous(),
+        attention_mask=torch.ones(n, len(prompt), dtype=torch.long),
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )[:, len(prompt) :]
 
     def counts(tokens):
         return torch.bincount(tokens, minlength=V)
@@ -238,13 +276,16 @@ def test_sampling_draws_from_the_same_distribution_as_generate(spread_tiny, temp
     assert _chi2_same(counts(a), counts(b))
 
 
-@pytest.mark.parametrize("probs", [
-    [0.5, 0.3, 0.15, 0.05],
-    [0.0, 1.0, 0.0, 0.0],
-    [0.0, 0.0, 0.0, 1.0],
-    [0.25, 0.0, 0.25, 0.5],
-    [1e-3] * 1000,
-])
+@pytest.mark.parametrize(
+    "probs",
+    [
+        [0.5, 0.3, 0.15, 0.05],
+        [0.0, 1.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 1.0],
+        [0.25, 0.0, 0.25, 0.5],
+        [1e-3] * 1000,
+    ],
+)
 def test_draw_samples_each_token_with_its_probability(probs):
     p = torch.tensor([probs]) / sum(probs)
     n = 100_000
@@ -261,10 +302,19 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny, temperature):
     model, tok = tiny
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     torch.manual_seed(0)
-    r = sample(model, prompts, num_generations=2, max_new_tokens=8, temperature=temperature, top_k=10,
-               eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
-    logps = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                           temperature=temperature)
+    r = sample(
+        model,
+        prompts,
+        num_generations=2,
+        max_new_tokens=8,
+        temperature=temperature,
+        top_k=10,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+    )
+    logps = token_logprobs(
+        model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=temperature
+    )
     valid = r.completion_mask.bool()
     assert valid.sum() > 0
     torch.testing.assert_close(logps[valid], r.sampler_logps[valid], atol=1e-4, rtol=1e-4)
@@ -282,6 +332,7 @@ def test_completion_mask_stops_after_first_eos_and_flags_truncation():
 
         def forward(self, input_ids, past_key_values=None, **kw):
             from types import SimpleNamespace
+
             V, eos = 10, 9
             n, L = input_ids.shape
             logits = torch.full((n, 1, V), -1e4)
@@ -292,8 +343,16 @@ def test_completion_mask_stops_after_first_eos_and_flags_truncation():
             logits[torch.arange(n), 0, tok] = 0.0
             return SimpleNamespace(logits=logits)
 
-    r = sample(Toy(), [[1, 2], [1]], num_generations=1, max_new_tokens=4, temperature=1.0,
-               greedy=True, eos_ids=[9], pad_id=0)
+    r = sample(
+        Toy(),
+        [[1, 2], [1]],
+        num_generations=1,
+        max_new_tokens=4,
+        temperature=1.0,
+        greedy=True,
+        eos_ids=[9],
+        pad_id=0,
+    )
     assert r.completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert r.truncated.tolist() == [False, True]
     assert r.completion_ids[0].tolist() == [3, 9, 0, 0]
@@ -312,7 +371,9 @@ def test_few_rows_linear_equals_linear_and_is_removed_after(shape, bias):
     from grpo_cli.rollout import few_rows_linears
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 300, bias=bias), torch.nn.ReLU(), torch.nn.Linear(300, 4, bias=bias))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 300, bias=bias), torch.nn.ReLU(), torch.nn.Linear(300, 4, bias=bias)
+    )
     x = torch.randn(*shape)
     expected = model(x)
     with few_rows_linears(model):

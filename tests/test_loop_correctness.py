@@ -6,15 +6,22 @@ from __future__ import annotations
 import json
 
 import pytest
+import reward_fixtures
 import torch
 from safetensors.torch import load_file
 
-import reward_fixtures
 from grpo_cli import engine
-from grpo_cli.engine import run
+from grpo_cli.cli.train import train_config as run
 
-TINY = ["model=tiny", "data.num_examples=64", "data.eval_size=0", "sampler.num_generations=4",
-        "sampler.max_new_tokens=8", "trainer.quiet=true", "trainer.eval_before=false"]
+TINY = [
+    "model=tiny",
+    "data.num_examples=64",
+    "data.eval_size=0",
+    "sampler.num_generations=4",
+    "sampler.max_new_tokens=8",
+    "trainer.quiet=true",
+    "trainer.eval_before=false",
+]
 LENGTH = ["reward=[length]", "reward.length.unit=chars", "reward.length.target=4"]
 
 
@@ -30,9 +37,16 @@ def loss_calls(monkeypatch):
 
     def spy(logps, old_logps, ref_logps, advantages, mask, **kw):
         loss, stats = real(logps, old_logps, ref_logps, advantages, mask, **kw)
-        calls.append({"logps": logps.detach().clone(), "old": old_logps.detach().clone(), "mask": mask.clone(),
-                      "weights": kw.get("importance_weights"), "stats": {k: float(v) for k, v in stats.items()},
-                      "loss": float(loss.detach())})
+        calls.append(
+            {
+                "logps": logps.detach().clone(),
+                "old": old_logps.detach().clone(),
+                "mask": mask.clone(),
+                "weights": kw.get("importance_weights"),
+                "stats": {k: float(v) for k, v in stats.items()},
+                "loss": float(loss.detach()),
+            }
+        )
         return loss, stats
 
     monkeypatch.setattr(engine, "grpo_loss", spy)
@@ -43,8 +57,18 @@ def test_clip_and_ratio_metrics_cover_every_iteration(compose, tmp_path, loss_ca
     """num_iterations=4 at a high learning rate: iterations 1-3 clip; the logged clip ratios and
     ratio stats are token-weighted means over all 4 updates (maxima over all), loss and grad_norm
     means over the updates, and the last iteration's clip ratio is kept too."""
-    cfg = compose(TINY + LENGTH + ["trainer.num_iterations=4", "optimizer.learning_rate=0.05", "trainer.max_steps=1",
-                          "trainer.prompts_per_step=2", "trainer.gradient_accumulation_steps=2", "loss.beta=0"])
+    cfg = compose(
+        TINY
+        + LENGTH
+        + [
+            "trainer.num_iterations=4",
+            "optimizer.learning_rate=0.05",
+            "trainer.max_steps=1",
+            "trainer.prompts_per_step=2",
+            "trainer.gradient_accumulation_steps=2",
+            "loss.beta=0",
+        ]
+    )
     row = run(cfg, tmp_path)
     assert len(loss_calls) == 8  # 4 iterations x 2 micro-batches
     tokens = [c["stats"]["num_tokens"] for c in loss_calls]
@@ -53,8 +77,9 @@ def test_clip_and_ratio_metrics_cover_every_iteration(compose, tmp_path, loss_ca
         assert row[key] == pytest.approx(want, rel=1e-6, abs=1e-9), key
     assert row["ratio_max"] == max(c["stats"]["ratio_max"] for c in loss_calls)
     last = loss_calls[-2:]
-    want_last = sum(c["stats"]["clip_ratio/region_mean"] * c["stats"]["num_tokens"] for c in last) / \
-        sum(c["stats"]["num_tokens"] for c in last)
+    want_last = sum(c["stats"]["clip_ratio/region_mean"] * c["stats"]["num_tokens"] for c in last) / sum(
+        c["stats"]["num_tokens"] for c in last
+    )
     assert row["clip_ratio/region_mean_last"] == pytest.approx(want_last, rel=1e-6, abs=1e-9)
     # Iteration 0 is on-policy (ratio exactly 1); the later ones moved and clipped.
     assert all(c["stats"]["ratio_max"] == 1.0 for c in loss_calls[:2])
@@ -68,16 +93,30 @@ def test_a_step_without_learning_signal_does_not_move_the_weights(compose, tmp_p
     """After one step with signal, two steps whose groups are all zero-std: the optimizer and the
     scheduler do not step, so AdamW's momentum and weight decay cannot move the weights."""
     reward_fixtures.SIGNAL_CALLS["n"] = 0
-    cfg = compose(TINY + ["reward=[]", "+reward.once.fn=reward_fixtures:signal_once", "trainer.max_steps=3",
-                          "trainer.prompts_per_step=2", "trainer.save_steps=1", "trainer.keep_last=3",
-                          "optimizer.learning_rate=1e-2", "optimizer.weight_decay=0.1",
-                          "optimizer.lr_scheduler=linear", "loss.beta=0.04", "trainer.quiet=false"])
+    cfg = compose(
+        TINY
+        + [
+            "reward=[]",
+            "+reward.once.fn=reward_fixtures:signal_once",
+            "trainer.max_steps=3",
+            "trainer.prompts_per_step=2",
+            "trainer.save_steps=1",
+            "trainer.keep_last=3",
+            "optimizer.learning_rate=1e-2",
+            "optimizer.weight_decay=0.1",
+            "optimizer.lr_scheduler=linear",
+            "loss.beta=0.04",
+            "trainer.quiet=false",
+        ]
+    )
     run(cfg, tmp_path)
     rows = read_rows(tmp_path)
     assert [r["skipped_updates/no_signal"] for r in rows] == [0, 1, 1]
     assert [r["skipped_updates"] for r in rows] == [0, 1, 1]
     assert rows[1]["learning_rate"] == rows[0]["learning_rate"] == rows[2]["learning_rate"]  # scheduler held
-    weights = [load_file(tmp_path / "checkpoints" / f"step-00000{s}" / "model.safetensors") for s in (1, 2, 3)]
+    weights = [
+        load_file(tmp_path / "checkpoints" / f"step-00000{s}" / "model.safetensors") for s in (1, 2, 3)
+    ]
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
         assert torch.equal(weights[0][name], weights[2][name]), name
@@ -86,23 +125,42 @@ def test_a_step_without_learning_signal_does_not_move_the_weights(compose, tmp_p
 
 
 def test_masked_truncation_leaving_no_token_skips_the_update(compose, tmp_path):
-    cfg = compose(TINY + ["sampler.max_new_tokens=3", "sampler.ignore_eos=true", "trainer.max_steps=1",
-                          "loss.mask_truncated_completions=true", "reward=[]",
-                          "+reward.code.fn=reward_fixtures:char_code"])
+    cfg = compose(
+        TINY
+        + [
+            "sampler.max_new_tokens=3",
+            "sampler.ignore_eos=true",
+            "trainer.max_steps=1",
+            "loss.mask_truncated_completions=true",
+            "reward=[]",
+            "+reward.code.fn=reward_fixtures:char_code",
+        ]
+    )
     row = run(cfg, tmp_path)
     assert row["skipped_updates/no_signal"] == 1 and row["grad_norm"] == 0.0
 
 
 @pytest.mark.parametrize("num_iterations", [1, 3])
 def test_old_logprobs_are_the_trainers_own_so_the_first_ratio_is_exactly_one_in_bf16(
-        compose, tmp_path, loss_calls, num_iterations):
+    compose, tmp_path, loss_calls, num_iterations
+):
     """Under bf16 autocast the KV-cache decode and the training forward round differently; the
     ratio's old log-probs are the training forward's (detached) from before the first update,
     so the first ratio is exactly 1 and later iterations reuse those same old log-probs. The
     sampler/trainer mismatch is logged instead."""
-    cfg = compose(TINY + LENGTH + ["trainer.precision=bf16", "trainer.max_steps=1", "trainer.prompts_per_step=2",
-                          "sampler.max_new_tokens=16", f"trainer.num_iterations={num_iterations}",
-                          "optimizer.learning_rate=1e-2", "loss.beta=0"])
+    cfg = compose(
+        TINY
+        + LENGTH
+        + [
+            "trainer.precision=bf16",
+            "trainer.max_steps=1",
+            "trainer.prompts_per_step=2",
+            "sampler.max_new_tokens=16",
+            f"trainer.num_iterations={num_iterations}",
+            "optimizer.learning_rate=1e-2",
+            "loss.beta=0",
+        ]
+    )
     row = run(cfg, tmp_path)
     first = loss_calls[0]
     assert torch.equal(first["old"], first["logps"])
@@ -115,7 +173,9 @@ def test_old_logprobs_are_the_trainers_own_so_the_first_ratio_is_exactly_one_in_
         assert not torch.equal(loss_calls[-1]["logps"], first["logps"])  # the policy moved
 
 
-def test_tis_weights_the_policy_term_by_the_capped_trainer_sampler_ratio(compose, tmp_path, loss_calls, monkeypatch):
+def test_tis_weights_the_policy_term_by_the_capped_trainer_sampler_ratio(
+    compose, tmp_path, loss_calls, monkeypatch
+):
     """loss.sampler_correction=tis passes min(exp(trainer - sampler), cap) per token."""
     sampled = {}
     real_sample = engine.sample
@@ -127,8 +187,17 @@ def test_tis_weights_the_policy_term_by_the_capped_trainer_sampler_ratio(compose
         return out
 
     monkeypatch.setattr(engine, "sample", sample)
-    cfg = compose(TINY + LENGTH + ["trainer.max_steps=1", "loss.sampler_correction=tis", "loss.tis_cap=1.5",
-                          "trainer.self_check=false", "loss.beta=0"])
+    cfg = compose(
+        TINY
+        + LENGTH
+        + [
+            "trainer.max_steps=1",
+            "loss.sampler_correction=tis",
+            "loss.tis_cap=1.5",
+            "trainer.self_check=false",
+            "loss.beta=0",
+        ]
+    )
     row = run(cfg, tmp_path)
     call = loss_calls[0]
     valid = call["mask"].bool()
@@ -154,21 +223,32 @@ def test_self_check_covers_every_micro_batch_of_the_first_step(compose, tmp_path
         return out
 
     monkeypatch.setattr(engine, "sample", sample)
-    cfg = compose(TINY + LENGTH + ["trainer.max_steps=1", "trainer.prompts_per_step=4",
-                                   "trainer.gradient_accumulation_steps=4", f"trainer.seed={seed}"])
+    cfg = compose(
+        TINY
+        + LENGTH
+        + [
+            "trainer.max_steps=1",
+            "trainer.prompts_per_step=4",
+            "trainer.gradient_accumulation_steps=4",
+            f"trainer.seed={seed}",
+        ]
+    )
     with pytest.raises(SelfCheckError, match="self-check failed"):
         run(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_self_check_names_a_temperature_mismatch_in_every_precision(compose, tmp_path, monkeypatch, precision):
+def test_self_check_names_a_temperature_mismatch_in_every_precision(
+    compose, tmp_path, monkeypatch, precision
+):
     """The sampler draws at temperature 0.5 while the trainer scores at 1.0: caught before any
     update, in bf16 too (its tolerance is loose enough for rounding, not for this bug)."""
     from grpo_cli.selfcheck import SelfCheckError
 
     real_sample = engine.sample
     monkeypatch.setattr(engine, "sample", lambda *a, **kw: real_sample(*a, **{**kw, "temperature": 0.5}))
-    cfg = compose(TINY + LENGTH + ["trainer.max_steps=1", f"trainer.precision={precision}",
-                                   "sampler.max_new_tokens=16"])
+    cfg = compose(
+        TINY + LENGTH + ["trainer.max_steps=1", f"trainer.precision={precision}", "sampler.max_new_tokens=16"]
+    )
     with pytest.raises(SelfCheckError, match="self-check failed"):
         run(cfg, tmp_path)

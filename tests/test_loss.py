@@ -1,6 +1,6 @@
 """Tests for grpo_cli.loss.
 
-Each test names the reference rule it locks (shared/reference/README.md):
+Each test names the reference rule it locks (docs/reference.md):
 000.1 ratio against itself, 000.6 reductions / std kind, 000.8 numeric self-check,
 002 zero-std groups and spurious KL, 004 per-group advantages / clipping / k3 KL.
 Gradient comparisons run in float64.
@@ -170,8 +170,11 @@ def test_scale_rewards_values(scale):
     assert torch.allclose(adv, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
-                         ids=["bf16", "fp16", "fp32", "fp64"])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+    ids=["bf16", "fp16", "fp32", "fp64"],
+)
 def test_advantages_dtype(dtype):
     """Advantages are computed in float32 or wider whatever the reward dtype."""
     adv, _, gstd = group_advantages(torch.tensor([0.0, 1.0], dtype=dtype), 2)
@@ -220,8 +223,9 @@ def test_onpolicy_ratio_one_and_gradient(loss_type, level):
     old = logps.detach().clone()
     ratio = importance_ratio(logps, old, mask, level=level)
     assert torch.equal(ratio, torch.ones_like(ratio))
-    _, grad, stats = grad_of(logps, old, None, adv, mask, loss_type=loss_type,
-                             importance_sampling_level=level)
+    _, grad, stats = grad_of(
+        logps, old, None, adv, mask, loss_type=loss_type, importance_sampling_level=level
+    )
     assert stats["ratio_mean"].item() == 1.0 and stats["ratio_max"].item() == 1.0
     assert stats["num_tokens"].item() == 12
     assert torch.allclose(grad, expected_onpolicy_grad(adv, mask, loss_type))
@@ -266,8 +270,7 @@ def test_kl_estimator_formulas(estimator, formula):
     logps, _, ref, mask = make_batch([4, 2], 4, seed=3)
     kl = per_token_kl(logps, ref, estimator=estimator)
     assert torch.allclose(kl, formula(logps, ref))
-    _, stats = grpo_loss(logps, logps, ref, torch.zeros(2, dtype=F64), mask, beta=0.1,
-                         kl_estimator=estimator)
+    _, stats = grpo_loss(logps, logps, ref, torch.zeros(2, dtype=F64), mask, beta=0.1, kl_estimator=estimator)
     expected_mean = (formula(logps, ref) * mask).sum() / mask.sum()
     assert torch.allclose(stats["kl"], expected_mean)
 
@@ -291,8 +294,7 @@ def test_mask_mode_zero_std_group_has_zero_gradient(loss_type):
     kw = dict(beta=0.04, loss_type=loss_type, zero_std="mask")
     loss, grad, stats = grad_of(logps, old, ref, adv, mask, zero_std_flags=zero, **kw)
     assert torch.equal(grad[2:], torch.zeros_like(grad[2:]))
-    loss_s, grad_s, _ = grad_of(logps[:2], old[:2], ref[:2], adv[:2], mask[:2],
-                                zero_std_flags=zero[:2], **kw)
+    loss_s, grad_s, _ = grad_of(logps[:2], old[:2], ref[:2], adv[:2], mask[:2], zero_std_flags=zero[:2], **kw)
     assert torch.allclose(loss, loss_s)
     assert torch.allclose(grad[:2], grad_s)
     assert stats["num_zero_std_rows"].item() == 2
@@ -302,10 +304,8 @@ def test_keep_mode_zero_std_group_gets_kl_gradient():
     """ref 002 (the bug, kept for comparison): under 'keep' the zero-std group's KL still
     moves its tokens although its advantages are 0."""
     logps, old, ref, mask, adv, zero, gstd = zero_std_setup()
-    _, grad, _ = grad_of(logps, old, ref, adv, mask, beta=0.04, zero_std="keep",
-                         zero_std_flags=zero)
-    _, grad0, _ = grad_of(logps, old, ref, adv, mask, beta=0.0, zero_std="keep",
-                          zero_std_flags=zero)
+    _, grad, _ = grad_of(logps, old, ref, adv, mask, beta=0.04, zero_std="keep", zero_std_flags=zero)
+    _, grad0, _ = grad_of(logps, old, ref, adv, mask, beta=0.0, zero_std="keep", zero_std_flags=zero)
     assert torch.equal(grad0[2:], torch.zeros_like(grad0[2:]))  # no policy signal
     assert (grad[2:] * mask[2:]).abs().sum() > 0  # spurious KL gradient
 
@@ -331,8 +331,18 @@ def test_weight_mode_scales_kl_by_sigmoid(std_value):
     adv = torch.zeros(4, dtype=F64)  # isolate the KL term
     gstd = torch.full((4,), std_value, dtype=F64)
     _, g_keep, _ = grad_of(logps, old, ref, adv, mask, beta=0.1, zero_std="keep")
-    _, g_w, _ = grad_of(logps, old, ref, adv, mask, beta=0.1, zero_std="weight", group_std=gstd,
-                        zero_std_floor=0.05, zero_std_width=0.01)
+    _, g_w, _ = grad_of(
+        logps,
+        old,
+        ref,
+        adv,
+        mask,
+        beta=0.1,
+        zero_std="weight",
+        group_std=gstd,
+        zero_std_floor=0.05,
+        zero_std_width=0.01,
+    )
     w = torch.sigmoid(torch.tensor((std_value - 0.05) / 0.01, dtype=F64))
     assert torch.allclose(g_w, w * g_keep)
     if std_value == 0.05:
@@ -354,8 +364,16 @@ def test_weight_mode_scales_kl_by_sigmoid(std_value):
         (-1.0, 0.75, 0.2, 0.28, False, "low"),  # low bound still uses eps
         (1.0, 1.10, 0.2, None, True, None),  # inside the trust region
     ],
-    ids=["pos-high-clip", "pos-low-free", "neg-low-clip", "neg-high-free",
-         "asym-1.25-free", "asym-1.30-clip", "asym-low-clip", "inside"],
+    ids=[
+        "pos-high-clip",
+        "pos-low-free",
+        "neg-low-clip",
+        "neg-high-free",
+        "asym-1.25-free",
+        "asym-1.30-clip",
+        "asym-low-clip",
+        "inside",
+    ],
 )
 def test_clipping_gradient(adv, ratio, eps, eps_high, has_grad, stat):
     """ref 004 clipped surrogate (DAPO clip-higher): the clipped side gets zero gradient,
@@ -364,8 +382,7 @@ def test_clipping_gradient(adv, ratio, eps, eps_high, has_grad, stat):
     old = torch.full((1, 2), -math.log(ratio), dtype=F64)  # ratio = exp(0 - old)
     mask = torch.ones(1, 2, dtype=F64)
     a = torch.tensor([adv], dtype=F64)
-    _, grad, stats = grad_of(logps, old, None, a, mask, epsilon=eps, epsilon_high=eps_high,
-                             loss_type="bnpo")
+    _, grad, stats = grad_of(logps, old, None, a, mask, epsilon=eps, epsilon_high=eps_high, loss_type="bnpo")
     if has_grad:
         assert torch.allclose(grad, torch.full_like(grad, -adv * ratio / 2))
     else:
@@ -412,17 +429,25 @@ def test_gradient_accumulation_invariance(loss_type, level, mode):
     assert zero.tolist() == [False, False, True, True, False, False, False, False]
     logps, old, ref, mask = make_batch([6, 1, 4, 6, 3, 0, 5, 2], 6, seed=5)
     old = old + 0.3 * torch.randn(8, 6, dtype=F64, generator=torch.Generator().manual_seed(9))
-    kw = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level, zero_std=mode,
-              group_size=2)
-    full_loss, full_grad, _ = grad_of(logps, old, ref, adv, mask, zero_std_flags=zero,
-                                      group_std=gstd, **kw)
+    kw = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level, zero_std=mode, group_size=2)
+    full_loss, full_grad, _ = grad_of(logps, old, ref, adv, mask, zero_std_flags=zero, group_std=gstd, **kw)
     n_seq, n_tok = loss_normalizers(mask, zero, zero_std_mode=mode)
     leaf = logps.clone().requires_grad_(True)
     total = torch.zeros((), dtype=F64)
     for s in range(0, 8, 2):
         sl = slice(s, s + 2)
-        loss, _ = grpo_loss(leaf[sl], old[sl], ref[sl], adv[sl], mask[sl], zero_std_flags=zero[sl],
-                            group_std=gstd[sl], num_sequences=n_seq, num_tokens=n_tok, **kw)
+        loss, _ = grpo_loss(
+            leaf[sl],
+            old[sl],
+            ref[sl],
+            adv[sl],
+            mask[sl],
+            zero_std_flags=zero[sl],
+            group_std=gstd[sl],
+            num_sequences=n_seq,
+            num_tokens=n_tok,
+            **kw,
+        )
         loss.backward()
         total = total + loss.detach()
     assert torch.allclose(total, full_loss)
@@ -466,8 +491,17 @@ def test_finite_with_masked_garbage_and_extreme_logps(loss_type, level, kl_estim
     logps[1, 0] = float("nan")
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     leaf = logps.clone().requires_grad_(True)
-    loss, stats = grpo_loss(leaf, old, ref, adv, mask, beta=0.04, loss_type=loss_type,
-                            importance_sampling_level=level, kl_estimator=kl_estimator)
+    loss, stats = grpo_loss(
+        leaf,
+        old,
+        ref,
+        adv,
+        mask,
+        beta=0.04,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        kl_estimator=kl_estimator,
+    )
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(leaf.grad).all()
@@ -484,8 +518,17 @@ def test_all_masked_batch_gives_zero(loss_type, flagged):
     logps = torch.randn(3, 4, dtype=F64)
     mask = torch.ones(3, 4, dtype=F64) if flagged else torch.zeros(3, 4, dtype=F64)
     flags = torch.ones(3, dtype=torch.bool) if flagged else None
-    loss, grad, stats = grad_of(logps, logps, logps + 1, torch.zeros(3, dtype=F64), mask,
-                                beta=0.1, loss_type=loss_type, zero_std_flags=flags, group_size=3)
+    loss, grad, stats = grad_of(
+        logps,
+        logps,
+        logps + 1,
+        torch.zeros(3, dtype=F64),
+        mask,
+        beta=0.1,
+        loss_type=loss_type,
+        zero_std_flags=flags,
+        group_size=3,
+    )
     assert loss.item() == 0.0
     assert torch.equal(grad, torch.zeros_like(grad))
     assert all(torch.isfinite(v) for v in stats.values())
@@ -502,8 +545,17 @@ def test_stats_over_tokens_entering_the_loss(mode):
     mask = lengths_mask([3, 2, 1, 3], 3)
     zero = torch.tensor([False, False, True, True])
     adv = torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=F64)
-    _, stats = grpo_loss(logps, old, None, adv, mask, zero_std=mode, zero_std_flags=zero,
-                         group_std=torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=F64), group_size=2)
+    _, stats = grpo_loss(
+        logps,
+        old,
+        None,
+        adv,
+        mask,
+        zero_std=mode,
+        zero_std_flags=zero,
+        group_std=torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=F64),
+        group_size=2,
+    )
     r = torch.exp(-old)  # [B, T]
     rows = [0, 1] if mode == "mask" else [0, 1, 2, 3]
     m = mask[rows].bool()
@@ -517,8 +569,9 @@ def test_stats_over_tokens_entering_the_loss(mode):
 def test_bf16_inputs_compute_in_float32():
     """Loss math runs in float32 or wider even for bf16 log-probs."""
     logps, old, ref, mask = make_batch([3, 2], 3)
-    loss, stats = grpo_loss(logps.bfloat16(), old.bfloat16(), ref.bfloat16(),
-                            torch.tensor([1.0, -1.0]), mask, beta=0.04)
+    loss, stats = grpo_loss(
+        logps.bfloat16(), old.bfloat16(), ref.bfloat16(), torch.tensor([1.0, -1.0]), mask, beta=0.04
+    )
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert stats["kl"].dtype == torch.float32
 
@@ -545,11 +598,18 @@ def _loss_call(**kw):
         (_loss_call, {"importance_sampling_level": "seq"}, LEVELS),
         (_loss_call, {"kl_estimator": "k4"}, ["k1", "k2", "k3"]),
         (_loss_call, {"zero_std": "drop"}, ZERO_STD_MODES),
-        (lambda **kw: loss_normalizers(torch.ones(2, 2), **kw), {"zero_std_mode": "skip"},
-         ZERO_STD_MODES),
+        (lambda **kw: loss_normalizers(torch.ones(2, 2), **kw), {"zero_std_mode": "skip"}, ZERO_STD_MODES),
     ],
-    ids=["scale_rewards", "std", "estimator", "loss_type", "is_level", "kl_estimator",
-         "zero_std", "normalizers-mode"],
+    ids=[
+        "scale_rewards",
+        "std",
+        "estimator",
+        "loss_type",
+        "is_level",
+        "kl_estimator",
+        "zero_std",
+        "normalizers-mode",
+    ],
 )
 def test_bad_option_names_raise(fn, kwargs, valid):
     """Unknown option names fail loudly, naming the bad value and every valid one."""
@@ -564,18 +624,24 @@ def test_bad_option_names_raise(fn, kwargs, valid):
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), None, torch.zeros(2),
-                           torch.ones(2, 3), beta=0.04), "ref_logps"),
+        (
+            lambda: grpo_loss(
+                torch.zeros(2, 3), torch.zeros(2, 3), None, torch.zeros(2), torch.ones(2, 3), beta=0.04
+            ),
+            "ref_logps",
+        ),
         (lambda: _loss_call(zero_std="weight"), "group_std"),
         (lambda: group_advantages(torch.zeros(6), 4), "multiple of group_size"),
         (lambda: group_advantages(torch.zeros(3), 1, estimator="rloo"), "group_size >= 2"),
-        (lambda: grpo_loss(torch.zeros(2, 3), torch.zeros(2, 4), None, torch.zeros(2),
-                           torch.ones(2, 3)), "old_logps"),
+        (
+            lambda: grpo_loss(torch.zeros(2, 3), torch.zeros(2, 4), None, torch.zeros(2), torch.ones(2, 3)),
+            "old_logps",
+        ),
     ],
     ids=["ref-none-beta", "weight-no-std", "indivisible-batch", "rloo-g1", "shape-mismatch"],
 )
 def test_invalid_arguments_raise(call, match):
-    """ref 002 (KL needs a reference), ref 004 (batch a multiple of G), shape checks."""
+    """ref 004 (k3 KL needs a reference; batch a multiple of G), shape checks."""
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -583,17 +649,29 @@ def test_invalid_arguments_raise(call, match):
 # --------------------------------------------------------------------------- signal, TIS
 
 
-@pytest.mark.parametrize("rewards,mask_rows,mode,beta,expected", [
-    ([1, 0, 1, 0], [1, 1, 1, 1], "mask", 0.0, True),  # spread: signal
-    ([1, 1, 0, 0], [1, 1, 1, 1], "mask", 0.04, False),  # every group zero-std: KL masked too
-    ([1, 1, 0, 0], [1, 1, 1, 1], "keep", 0.0, False),  # kept rows, but no advantage and no KL
-    ([1, 1, 0, 0], [1, 1, 1, 1], "keep", 0.04, True),  # TRL behaviour: the KL still pulls
-    ([1, 1, 0, 0], [1, 1, 1, 1], "weight", 0.04, True),  # smooth weight: a small KL pull remains
-    ([1, 0, 1, 0], [0, 0, 1, 1], "mask", 0.0, True),  # second group still has tokens
-    ([1, 0, 1, 1], [1, 1, 0, 0], "mask", 0.0, True),
-    ([1, 1, 1, 0], [1, 1, 0, 0], "mask", 0.0, False),  # the only spread group has no token left
-], ids=["spread", "zero-std-mask-kl", "zero-std-keep-no-kl", "zero-std-keep-kl", "zero-std-weight-kl",
-        "partly-masked", "first-group-spread", "signal-group-masked-out"])
+@pytest.mark.parametrize(
+    "rewards,mask_rows,mode,beta,expected",
+    [
+        ([1, 0, 1, 0], [1, 1, 1, 1], "mask", 0.0, True),  # spread: signal
+        ([1, 1, 0, 0], [1, 1, 1, 1], "mask", 0.04, False),  # every group zero-std: KL masked too
+        ([1, 1, 0, 0], [1, 1, 1, 1], "keep", 0.0, False),  # kept rows, but no advantage and no KL
+        ([1, 1, 0, 0], [1, 1, 1, 1], "keep", 0.04, True),  # TRL behaviour: the KL still pulls
+        ([1, 1, 0, 0], [1, 1, 1, 1], "weight", 0.04, True),  # smooth weight: a small KL pull remains
+        ([1, 0, 1, 0], [0, 0, 1, 1], "mask", 0.0, True),  # second group still has tokens
+        ([1, 0, 1, 1], [1, 1, 0, 0], "mask", 0.0, True),
+        ([1, 1, 1, 0], [1, 1, 0, 0], "mask", 0.0, False),  # the only spread group has no token left
+    ],
+    ids=[
+        "spread",
+        "zero-std-mask-kl",
+        "zero-std-keep-no-kl",
+        "zero-std-keep-kl",
+        "zero-std-weight-kl",
+        "partly-masked",
+        "first-group-spread",
+        "signal-group-masked-out",
+    ],
+)
 def test_has_learning_signal(rewards, mask_rows, mode, beta, expected):
     """ref 002: a step whose loss has no token with a reason to move the weights has no signal."""
     adv, zero, _ = group_advantages(torch.tensor(rewards, dtype=F64), 2)

@@ -30,8 +30,8 @@ def _batch(prompts, completions):
     c_ids = torch.full((len(completions), C), PAD)  # [B, C]
     c_mask = torch.zeros((len(completions), C), dtype=torch.long)
     for i, c in enumerate(completions):
-        c_ids[i, :len(c)] = torch.tensor(c)
-        c_mask[i, :len(c)] = 1
+        c_ids[i, : len(c)] = torch.tensor(c)
+        c_mask[i, : len(c)] = 1
     return p_ids, p_mask, c_ids, c_mask
 
 
@@ -43,9 +43,18 @@ def _save(model, path):
 def _tiny_qwen2(path, **kw):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attention_dropout=0.1, pad_token_id=PAD, **kw)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+        pad_token_id=PAD,
+        **kw,
+    )
     torch.manual_seed(0)
     return _save(Qwen2ForCausalLM(config), path)
 
@@ -71,8 +80,9 @@ def test_qwen2_attention_dropout_is_off_in_train_mode(tmp_path, monkeypatch, gra
     """Qwen2 (like Llama, Mistral) keeps config.attention_dropout in a float attribute and applies
     it whenever self.training: two train-mode passes must still give the same log-probs."""
     source = _tiny_qwen2(tmp_path)
-    model = load_model(source, device=torch.device("cpu"), trainable=True,
-                       gradient_checkpointing=gradient_checkpointing)
+    model = load_model(
+        source, device=torch.device("cpu"), trainable=True, gradient_checkpointing=gradient_checkpointing
+    )
     assert model.is_gradient_checkpointing == gradient_checkpointing
     assert model.config.attention_dropout == 0.0
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
@@ -81,8 +91,9 @@ def test_qwen2_attention_dropout_is_off_in_train_mode(tmp_path, monkeypatch, gra
 
     # The test has power: zeroing only nn.Dropout (the old load_model) leaves the passes apart.
     monkeypatch.setattr(models, "disable_dropout", _only_nn_dropout)
-    old = load_model(source, device=torch.device("cpu"), trainable=True,
-                     gradient_checkpointing=gradient_checkpointing)
+    old = load_model(
+        source, device=torch.device("cpu"), trainable=True, gradient_checkpointing=gradient_checkpointing
+    )
     first, second, valid = _two_train_mode_passes(old)
     assert (first - second)[valid].abs().max() > 1e-3
 
@@ -90,8 +101,17 @@ def test_qwen2_attention_dropout_is_off_in_train_mode(tmp_path, monkeypatch, gra
 def test_gpt2_dropout_rates_are_zero_in_modules_and_config(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                        attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, summary_first_dropout=0.1)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        attn_pdrop=0.1,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        summary_first_dropout=0.1,
+    )
     torch.manual_seed(0)
     model = load_model(_save(GPT2LMHeadModel(config), tmp_path), device=torch.device("cpu"), trainable=True)
     for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "summary_first_dropout"):
@@ -119,7 +139,12 @@ def test_disable_dropout_reaches_float_attributes_and_sub_configs():
     model = torch.nn.Sequential(Block())
     disable_dropout(model)
     block = model[0]
-    assert (block.attention_dropout, block.resid_pdrop, block.embed_dropout.p, block.scale) == (0.0, 0.0, 0.0, 0.5)
+    assert (block.attention_dropout, block.resid_pdrop, block.embed_dropout.p, block.scale) == (
+        0.0,
+        0.0,
+        0.0,
+        0.5,
+    )
     assert (config.attention_dropout, config.layerdrop, config.hidden_size) == (0.0, 0.0, 32)
     assert (config.text_config.hidden_dropout, config.text_config.attn_pdrop) == (0.0, 0.0)
     assert config.text_config.token_dropout is True  # a switch, not a rate
@@ -127,19 +152,37 @@ def test_disable_dropout_reaches_float_attributes_and_sub_configs():
 
 # ----------------------------------------------------------------------------- (B) logits_to_keep
 
+
 def _tiny_opt():
     from transformers import OPTConfig, OPTForCausalLM
 
-    config = OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                       word_embed_proj_dim=32, max_position_embeddings=64, pad_token_id=PAD, init_std=0.3)
+    config = OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        init_std=0.3,
+    )
     return OPTForCausalLM(config)
 
 
 def _tiny_gpt_neo():
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    config = GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
-                          attention_types=[[["global", "local"], 1]], window_size=4, initializer_range=0.3)
+    config = GPTNeoConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=64,
+        attention_types=[[["global", "local"], 1]],
+        window_size=4,
+        initializer_range=0.3,
+    )
     return GPTNeoForCausalLM(config)
 
 
@@ -162,7 +205,7 @@ def _reference(model, p_ids, p_mask, c_ids, c_mask, temperature):
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits.float()
     logp = F.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return logp[:, -c_ids.shape[1]:]  # [B, C]
+    return logp[:, -c_ids.shape[1] :]  # [B, C]
 
 
 def _unpadded_reference(model, prompt, completion, temperature):
@@ -170,15 +213,18 @@ def _unpadded_reference(model, prompt, completion, temperature):
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float() / temperature  # [L, V]
-    return F.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[-len(completion):]
+    return F.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[-len(completion) :]
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["distinct", "shared_prompt"])
-@pytest.mark.parametrize("completions", [[[20, 21, 22], [23], [24, 25, 26, 27, 28]], [[20], [23], [24]]],
-                         ids=["mixed_lengths", "all_length_1"])
+@pytest.mark.parametrize(
+    "completions",
+    [[[20, 21, 22], [23], [24, 25, 26, 27, 28]], [[20], [23], [24]]],
+    ids=["mixed_lengths", "all_length_1"],
+)
 def test_logprobs_of_models_that_ignore_logits_to_keep(ignores_logits_to_keep, grouped, completions):
     model = ignores_logits_to_keep
     if grouped:  # G=3 completions of each of two prompts: the shared-prompt KV-cache path
@@ -194,13 +240,23 @@ def test_logprobs_of_models_that_ignore_logits_to_keep(ignores_logits_to_keep, g
     expected = _reference(model, *batch, temperature=0.7)
     torch.testing.assert_close(logps[valid], expected[valid], atol=1e-5, rtol=1e-5)
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        torch.testing.assert_close(logps[i, :len(c)], _unpadded_reference(model, p, c, 0.7), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            logps[i, : len(c)], _unpadded_reference(model, p, c, 0.7), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_greedy_sampling_with_a_model_that_ignores_logits_to_keep(ignores_logits_to_keep):
     model = ignores_logits_to_keep
-    r = sample(model, PROMPTS, num_generations=2, max_new_tokens=5, temperature=1.0, greedy=True,
-               eos_ids=[], pad_id=PAD)
+    r = sample(
+        model,
+        PROMPTS,
+        num_generations=2,
+        max_new_tokens=5,
+        temperature=1.0,
+        greedy=True,
+        eos_ids=[],
+        pad_id=PAD,
+    )
     assert r.prompt_ids.shape == (6, 7) and r.completion_ids.shape == (6, 5)
     assert r.sampler_logps.shape == (6, 5) and r.truncated.all()
     # Greedy: the two rows of a prompt agree, and each token is the argmax given the row so far.
@@ -210,8 +266,10 @@ def test_greedy_sampling_with_a_model_that_ignores_logits_to_keep(ignores_logits
         for _ in range(5):
             with torch.no_grad():
                 ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-        assert r.completion_ids[2 * i].tolist() == ids[len(prompt):]
-    logps = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=1.0)
+        assert r.completion_ids[2 * i].tolist() == ids[len(prompt) :]
+    logps = token_logprobs(
+        model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=1.0
+    )
     torch.testing.assert_close(logps, r.sampler_logps, atol=1e-5, rtol=1e-5)
 
 
@@ -222,9 +280,19 @@ def test_model_without_position_ids_or_logits_to_keep_keywords():
     from transformers import BartConfig, BartForCausalLM
 
     # encoder_layers == decoder_layers: transformers sizes the decoder's cache by encoder_layers.
-    config = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, decoder_attention_heads=4,
-                        decoder_ffn_dim=64, max_position_embeddings=64, init_std=0.3, pad_token_id=PAD,
-                        is_decoder=True, is_encoder_decoder=False)
+    config = BartConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        decoder_attention_heads=4,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        init_std=0.3,
+        pad_token_id=PAD,
+        is_decoder=True,
+        is_encoder_decoder=False,
+    )
     torch.manual_seed(0)
     model = BartForCausalLM(config).eval()
     with pytest.raises(TypeError):
@@ -239,9 +307,19 @@ def test_model_without_position_ids_or_logits_to_keep_keywords():
             logits = model(input_ids=input_ids, attention_mask=mask).logits  # [B, L, V]
         expected = F.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)[:, -3:]
         torch.testing.assert_close(logps[valid], expected[valid], atol=1e-5, rtol=1e-5)
-    r = sample(model, PROMPTS, num_generations=2, max_new_tokens=3, temperature=1.0, greedy=True,
-               eos_ids=[], pad_id=PAD)
+    r = sample(
+        model,
+        PROMPTS,
+        num_generations=2,
+        max_new_tokens=3,
+        temperature=1.0,
+        greedy=True,
+        eos_ids=[],
+        pad_id=PAD,
+    )
     assert r.completion_ids.shape == (6, 3)
     with torch.no_grad():
-        logps = token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=1.0)
+        logps = token_logprobs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=1.0
+        )
     torch.testing.assert_close(logps, r.sampler_logps, atol=1e-5, rtol=1e-5)

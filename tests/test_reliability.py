@@ -34,29 +34,51 @@ from typing import Callable
 
 import pytest
 import torch
-
 from conftest import ROOT, console_script
+
+# Console scripts and end-to-end runs: the slow tier (pytest -m "not slow" skips them).
+pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parent
 # Pinned rather than inherited from the default recipe, which is tuned for the real model.
-SMALL = ["model=tiny", "data.num_examples=32", "data.eval_size=4", "sampler.num_generations=2",
-         "sampler.max_new_tokens=4", "trainer.quiet=true", "trainer.prompts_per_step=1",
-         "trainer.eval_before=false", "trainer.save_steps=50"]
+SMALL = [
+    "model=tiny",
+    "data.num_examples=32",
+    "data.eval_size=4",
+    "sampler.num_generations=2",
+    "sampler.max_new_tokens=4",
+    "trainer.quiet=true",
+    "trainer.prompts_per_step=1",
+    "trainer.eval_before=false",
+    "trainer.save_steps=50",
+]
 LENGTH = ["reward=[length]", "reward.length.unit=chars", "reward.length.target=3"]
 TIMING = ("step_time", "tokens_per_second")
 
 
 def _env(extra: dict | None = None) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     for key in ("HYDRA_FULL_ERROR", "GRPO_TEST_FAULT"):
         env.pop(key, None)
     env.update(extra or {})
     return env
 
 
-def grpo(args: list[str], cwd: Path, *, env: dict | None = None, fault: str | None = None,
-         file_size_limit: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def grpo(
+    args: list[str],
+    cwd: Path,
+    *,
+    env: dict | None = None,
+    fault: str | None = None,
+    file_size_limit: int | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
     """Run grpo-train: the installed console script, or (with `fault`) the same entry point
     through tests/reliability_helpers.py, which injects the fault first."""
     extra = dict(env or {})
@@ -69,13 +91,26 @@ def grpo(args: list[str], cwd: Path, *, env: dict | None = None, fault: str | No
     def limit():  # a disk that fills up: writes past this size fail (EFBIG, like ENOSPC)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(extra),
-                          preexec_fn=limit if file_size_limit else None)
+    return subprocess.run(
+        cmd,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(extra),
+        preexec_fn=limit if file_size_limit else None,
+    )
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([console_script("grpo-train"), *args], cwd=cwd, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [console_script("grpo-train"), *args],
+        cwd=cwd,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -83,8 +118,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else (-1, 0)
-            for p in root.rglob("*")}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else (-1, 0)
+        for p in root.rglob("*")
+    }
 
 
 def load_params(path: Path) -> dict[str, torch.Tensor]:
@@ -110,7 +147,9 @@ def trained_run(tmp_path_factory, tiny_folder) -> Path:
     """A finished 3-step run with checkpoints at steps 2 and 3 (copied by the resume cases)."""
     work = tmp_path_factory.mktemp("trained")
     run_dir = work / "run"
-    res = grpo(SMALL + LENGTH + ["trainer.max_steps=3", "trainer.save_steps=2", f"hydra.run.dir={run_dir}"], work)
+    res = grpo(
+        SMALL + LENGTH + ["trainer.max_steps=3", "trainer.save_steps=2", f"hydra.run.dir={run_dir}"], work
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return run_dir
 
@@ -168,8 +207,10 @@ def _setup_qa(d, ctx):
 
 def _setup_chat(d, ctx):
     _copy_tiny(d / "plain-tok", ctx, template=False)
-    _write(d / "chat.jsonl", _jsonl({"prompt": [{"role": "user", "content": f"q{i}"}], "answer": "1"}
-                                    for i in range(20)))
+    _write(
+        d / "chat.jsonl",
+        _jsonl({"prompt": [{"role": "user", "content": f"q{i}"}], "answer": "1"} for i in range(20)),
+    )
 
 
 def _setup_pickled_weights(d, ctx):
@@ -180,10 +221,19 @@ def _setup_pickled_weights(d, ctx):
 def _setup_remote_code(d, ctx):
     folder = d / "custom-model"
     _copy_tiny(folder, ctx)
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "evilnet", "architectures": ["EvilModel"],
-        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel",
-                     "AutoTokenizer": ["evil.EvilTokenizer", None]}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "evilnet",
+                "architectures": ["EvilModel"],
+                "auto_map": {
+                    "AutoConfig": "evil.EvilConfig",
+                    "AutoModelForCausalLM": "evil.EvilModel",
+                    "AutoTokenizer": ["evil.EvilTokenizer", None],
+                },
+            }
+        )
+    )
     (folder / "evil.py").write_text(f"import os\nos.mkdir({str(d / 'REMOTE_CODE_RAN')!r})\n")
 
 
@@ -195,7 +245,10 @@ def _setup_corrupt_weights(d, ctx):
 def _setup_reward_module(d, ctx):
     # A module named like the reward sits on PYTHONPATH and in the working dir: with no `fn`
     # set it must never be imported (user code comes only from an explicit reward.<name>.fn).
-    code = f"import os\nos.mkdir({str(d / 'REWARD_MODULE_RAN')!r})\ndef evilreward(completions, **kw):\n    return [1.0] * len(completions)\n"
+    code = (
+        f"import os\nos.mkdir({str(d / 'REWARD_MODULE_RAN')!r})\n"
+        "def evilreward(completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
     _write(d / "pkg" / "evilreward.py", code)
     _write(ctx["cwd"] / "evilreward.py", code)
 
@@ -232,7 +285,9 @@ def _disk_full_leftovers(path: Path) -> bool:
     """On a full disk the run keeps what it wrote before the save (config, metrics) but no
     checkpoint and no temporary folder."""
     parts = path.parts  # relative to the test's folder
-    return parts[:2] == ("work", "out") and not any(p.startswith(("step-", ".tmp-", ".trash-")) for p in parts)
+    return parts[:2] == ("work", "out") and not any(
+        p.startswith(("step-", ".tmp-", ".trash-")) for p in parts
+    )
 
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
@@ -243,8 +298,11 @@ CATALOGUE = [
     Case("C2", ["loss.beta=-1"], ["loss.beta=-1.0", "use 0"]),
     Case("C3", ["loss.bet=0.1"], ["loss.bet", "did you mean loss.beta"]),
     Case("C4", ["model=xyz"], ["model/xyz", "tiny"], small=False),
-    Case("C5", ["trainer.prompts_per_step=3", "trainer.gradient_accumulation_steps=2"],
-         ["trainer.prompts_per_step=3", "gradient_accumulation_steps=2", "divisor"]),
+    Case(
+        "C5",
+        ["trainer.prompts_per_step=3", "trainer.gradient_accumulation_steps=2"],
+        ["trainer.prompts_per_step=3", "gradient_accumulation_steps=2", "divisor"],
+    ),
     Case("C6", ["sampler.num_generations=1"], ["sampler.num_generations=1", "sampler.num_generations=8"]),
     Case("C7", ["optimizer.lr_scheduler=exponential"], ["'exponential'", "constant, linear, cosine"]),
     Case("C8", ["trainer.device=tpu"], ["trainer.device='tpu'", "auto, cpu, cuda"]),
@@ -254,84 +312,219 @@ CATALOGUE = [
     Case("C12", ["loss.beta=["], ["'loss.beta=['", "quote"]),
     # --- data
     Case("D1", ["data.source=file", "data.path={in}/nope.jsonl", *LENGTH], ["nope.jsonl", "does not exist"]),
-    Case("D2", ["data.source=file", "data.path={in}/empty.jsonl", *LENGTH], ["empty.jsonl", "no rows"],
-         setup=lambda d, ctx: _write(d / "empty.jsonl", "")),
-    Case("D3", ["data.source=file", "data.path={in}/q.jsonl", *LENGTH], ["no column 'prompt'", "data.prompt_column"],
-         setup=lambda d, ctx: _write(d / "q.jsonl", _jsonl({"question": "q", "answer": "1"} for _ in range(5)))),
-    Case("D4", ["data.source=file", "data.path={in}/p.jsonl", "reward=[accuracy]"],
-         ["no column 'answer'", "reward.accuracy.answer_column"],
-         setup=lambda d, ctx: _write(d / "p.jsonl", _jsonl({"prompt": f"q{i}", "solution": "1"} for i in range(5)))),
-    Case("D5", ["data.source=file", "data.path={in}/bad.jsonl", *LENGTH], ["line 3", "not valid JSON", "Fix or remove"],
-         setup=lambda d, ctx: _write(d / "bad.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": oops}\n')),
+    Case(
+        "D2",
+        ["data.source=file", "data.path={in}/empty.jsonl", *LENGTH],
+        ["empty.jsonl", "no rows"],
+        setup=lambda d, ctx: _write(d / "empty.jsonl", ""),
+    ),
+    Case(
+        "D3",
+        ["data.source=file", "data.path={in}/q.jsonl", *LENGTH],
+        ["no column 'prompt'", "data.prompt_column"],
+        setup=lambda d, ctx: _write(
+            d / "q.jsonl", _jsonl({"question": "q", "answer": "1"} for _ in range(5))
+        ),
+    ),
+    Case(
+        "D4",
+        ["data.source=file", "data.path={in}/p.jsonl", "reward=[accuracy]"],
+        ["no column 'answer'", "reward.accuracy.answer_column"],
+        setup=lambda d, ctx: _write(
+            d / "p.jsonl", _jsonl({"prompt": f"q{i}", "solution": "1"} for i in range(5))
+        ),
+    ),
+    Case(
+        "D5",
+        ["data.source=file", "data.path={in}/bad.jsonl", *LENGTH],
+        ["line 3", "not valid JSON", "Fix or remove"],
+        setup=lambda d, ctx: _write(d / "bad.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": oops}\n'),
+    ),
     Case("D6", ["sampler.max_prompt_length=3", *LENGTH], ["sampler.max_prompt_length=3", "raise"]),
-    Case("D7", ["data.source=file", "data.path={in}/data.txt", *LENGTH], ["'.txt'", ".jsonl"],
-         setup=lambda d, ctx: _write(d / "data.txt", "hello\n")),
-    Case("D8", ["data.source=hub", "data.path=nobody/no-such-dataset", *LENGTH],
-         ["nobody/no-such-dataset", "data=jsonl data.path=FILE"]),
-    Case("D9", ["data.source=file", "data.path={in}/gap.jsonl", *LENGTH], ["record 2", "'prompt'", "Fix or remove"],
-         setup=lambda d, ctx: _write(d / "gap.jsonl", '{"prompt": "a"}\n{"text": "b"}\n')),
+    Case(
+        "D7",
+        ["data.source=file", "data.path={in}/data.txt", *LENGTH],
+        ["'.txt'", ".jsonl"],
+        setup=lambda d, ctx: _write(d / "data.txt", "hello\n"),
+    ),
+    Case(
+        "D8",
+        ["data.source=hub", "data.path=nobody/no-such-dataset", *LENGTH],
+        ["nobody/no-such-dataset", "data=jsonl data.path=FILE"],
+    ),
+    Case(
+        "D9",
+        ["data.source=file", "data.path={in}/gap.jsonl", *LENGTH],
+        ["record 2", "'prompt'", "Fix or remove"],
+        setup=lambda d, ctx: _write(d / "gap.jsonl", '{"prompt": "a"}\n{"text": "b"}\n'),
+    ),
     # --- models
-    Case("M1", ["model.name_or_path=/nonexistent/model", *LENGTH], ["/nonexistent/model", "not an existing folder"]),
-    Case("M2", ["model.name_or_path=nobody/no-such-model", *LENGTH],
-         ["nobody/no-such-model", "--local-dir DIR", "model.name_or_path=DIR"]),
-    Case("M3", ["model.name_or_path={in}/plain-tok", "data.source=file", "data.path={in}/chat.jsonl", *LENGTH],
-         ["no chat template", "model.chat_template"], setup=_setup_chat),
-    Case("M4", ["model.name_or_path={ctx_tiny}", "model.gguf_file=model.Q4.gguf", *LENGTH],
-         ["model.gguf_file='model.Q4.gguf'", "GGUF files there: none"]),
+    Case(
+        "M1",
+        ["model.name_or_path=/nonexistent/model", *LENGTH],
+        ["/nonexistent/model", "not an existing folder"],
+    ),
+    Case(
+        "M2",
+        ["model.name_or_path=nobody/no-such-model", *LENGTH],
+        ["nobody/no-such-model", "--local-dir DIR", "model.name_or_path=DIR"],
+    ),
+    Case(
+        "M3",
+        ["model.name_or_path={in}/plain-tok", "data.source=file", "data.path={in}/chat.jsonl", *LENGTH],
+        ["no chat template", "model.chat_template"],
+        setup=_setup_chat,
+    ),
+    Case(
+        "M4",
+        ["model.name_or_path={ctx_tiny}", "model.gguf_file=model.Q4.gguf", *LENGTH],
+        ["model.gguf_file='model.Q4.gguf'", "GGUF files there: none"],
+    ),
     Case("M5", ["model.name_or_path=builtin:huge", *LENGTH], ["builtin:huge", "builtin:tiny"]),
-    Case("M6", ["model.name_or_path={in}/bin-model", *LENGTH], ["pytorch_model.bin", "safetensors", "convert"],
-         setup=_setup_pickled_weights),
-    Case("M7", ["model.name_or_path={in}/custom-model", *LENGTH], ["custom-model", "model.trust_remote_code=true"],
-         setup=_setup_remote_code),
-    Case("M8", ["model.name_or_path={in}/broken-model", *LENGTH], ["broken-model", "corrupt"],
-         setup=_setup_corrupt_weights),
-    Case("M9", ["model.tokenizer=/nonexistent/tokenizer", *LENGTH], ["model.tokenizer", "/nonexistent/tokenizer"]),
+    Case(
+        "M6",
+        ["model.name_or_path={in}/bin-model", *LENGTH],
+        ["pytorch_model.bin", "safetensors", "convert"],
+        setup=_setup_pickled_weights,
+    ),
+    Case(
+        "M7",
+        ["model.name_or_path={in}/custom-model", *LENGTH],
+        ["custom-model", "model.trust_remote_code=true"],
+        setup=_setup_remote_code,
+    ),
+    Case(
+        "M8",
+        ["model.name_or_path={in}/broken-model", *LENGTH],
+        ["broken-model", "corrupt"],
+        setup=_setup_corrupt_weights,
+    ),
+    Case(
+        "M9",
+        ["model.tokenizer=/nonexistent/tokenizer", *LENGTH],
+        ["model.tokenizer", "/nonexistent/tokenizer"],
+    ),
     # --- rewards
     Case("R1", ["reward=[nope]"], ["reward/nope", "accuracy, format, length"]),
     Case("R2", ["reward=[]", "+reward.nope.weight=1"], ["unknown reward 'nope'", "reward.nope.fn="]),
     Case("R3", ["reward=[]", "+reward.x.fn=no_such_module:score"], ["no_such_module", "PYTHONPATH"]),
-    Case("R4", ["reward=[]", "+reward.x.fn=reliability_helpers:boom"], ["reward 'x' raised ZeroDivisionError"]),
-    Case("R5", ["reward=[]", "+reward.x.fn=reliability_helpers:one_short"],
-         ["reward 'x' returned 1 values for 2 completions", "exactly one"]),
-    Case("R6", ["reward=[]", "+reward.x.fn=reliability_helpers:not_a_number"], ["reward 'x' returned nan", "not finite"]),
+    Case(
+        "R4", ["reward=[]", "+reward.x.fn=reliability_helpers:boom"], ["reward 'x' raised ZeroDivisionError"]
+    ),
+    Case(
+        "R5",
+        ["reward=[]", "+reward.x.fn=reliability_helpers:one_short"],
+        ["reward 'x' returned 1 values for 2 completions", "exactly one"],
+    ),
+    Case(
+        "R6",
+        ["reward=[]", "+reward.x.fn=reliability_helpers:not_a_number"],
+        ["reward 'x' returned nan", "not finite"],
+    ),
     Case("R7", ["reward=[]", "+reward.x.fn=reliability_helpers:words"], ["non-numeric value 'high'"]),
     Case("R8", [*LENGTH, "reward.length.weight=heavy"], ["reward.length.weight", "'heavy'"]),
-    Case("R9", ["reward=[]", "+reward.evilreward.weight=1"], ["unknown reward 'evilreward'", "reward.evilreward.fn="],
-         setup=_setup_reward_module, env={"PYTHONPATH": "{in}/pkg"}),
+    Case(
+        "R9",
+        ["reward=[]", "+reward.evilreward.weight=1"],
+        ["unknown reward 'evilreward'", "reward.evilreward.fn="],
+        setup=_setup_reward_module,
+        env={"PYTHONPATH": "{in}/pkg"},
+    ),
     # --- resume
-    Case("Z1", [*LENGTH, "hydra.run.dir={in}/fresh", "trainer.resume=auto"], ["found no checkpoint", "trainer.resume"]),
-    Case("Z2", [*LENGTH, "trainer.resume={in}/missing/step-000050"], ["missing/step-000050", "does not exist"]),
-    Case("Z3", [*LENGTH, "trainer.resume={in}/empty-dir"], ["not a grpo-cli checkpoint", "step-000050"],
-         setup=lambda d, ctx: (d / "empty-dir").mkdir()),
-    Case("Z4", [*LENGTH, "trainer.max_steps=5", "hydra.run.dir={in}/run", "trainer.resume=auto"],
-         ["step-000003 cannot be loaded", "earlier checkpoint"], setup=_setup_run(_corrupt_state)),
-    Case("Z5", [*LENGTH, "trainer.max_steps=5", "hydra.run.dir={in}/run", "trainer.resume=auto"],
-         ["step-000003 cannot be loaded", "pickled objects", "earlier checkpoint"], setup=_setup_run(_pickled_state)),
-    Case("Z6", [*LENGTH, "trainer.max_steps=5", "hydra.run.dir={in}/run", "trainer.resume=auto",
-                "model.name_or_path=nobody/other-model"],
-         ["model.name_or_path='builtin:tiny'", "model.name_or_path='nobody/other-model'", "must stay the same"],
-         setup=_setup_run()),
-    Case("Z7", [*LENGTH, "trainer.max_steps=5", "trainer.resume={in}/run/checkpoints/step-000003"],
-         ["incomplete checkpoint", "optimizer.pt"], setup=_setup_run(_remove_optimizer)),
-    Case("Z8", [*LENGTH, "trainer.max_steps=2", "hydra.run.dir={in}/run", "trainer.resume=auto"],
-         ["at step 3", "trainer.max_steps=2", "Raise trainer.max_steps"], setup=_setup_run()),
-    Case("Z9", [*LENGTH, "trainer.max_steps=5", "hydra.run.dir={in}/run", "trainer.resume=auto"],
-         ["trainer.resume=", "step-000003", "corrupt"], setup=_setup_run(_corrupt_model)),
+    Case(
+        "Z1",
+        [*LENGTH, "hydra.run.dir={in}/fresh", "trainer.resume=auto"],
+        ["found no checkpoint", "trainer.resume"],
+    ),
+    Case(
+        "Z2", [*LENGTH, "trainer.resume={in}/missing/step-000050"], ["missing/step-000050", "does not exist"]
+    ),
+    Case(
+        "Z3",
+        [*LENGTH, "trainer.resume={in}/empty-dir"],
+        ["not a grpo-cli checkpoint", "step-000050"],
+        setup=lambda d, ctx: (d / "empty-dir").mkdir(),
+    ),
+    Case(
+        "Z4",
+        [*LENGTH, "trainer.max_steps=5", "hydra.run.dir={in}/run", "trainer.resume=auto"],
+        ["step-000003 cannot be loaded", "earlier checkpoint"],
+        setup=_setup_run(_corrupt_state),
+    ),
+    Case(
+        "Z5",
+        [*LENGTH, "trainer.max_steps=5", "hydra.run.dir={in}/run", "trainer.resume=auto"],
+        ["step-000003 cannot be loaded", "pickled objects", "earlier checkpoint"],
+        setup=_setup_run(_pickled_state),
+    ),
+    Case(
+        "Z6",
+        [
+            *LENGTH,
+            "trainer.max_steps=5",
+            "hydra.run.dir={in}/run",
+            "trainer.resume=auto",
+            "model.name_or_path=nobody/other-model",
+        ],
+        [
+            "model.name_or_path='builtin:tiny'",
+            "model.name_or_path='nobody/other-model'",
+            "must stay the same",
+        ],
+        setup=_setup_run(),
+    ),
+    Case(
+        "Z7",
+        [*LENGTH, "trainer.max_steps=5", "trainer.resume={in}/run/checkpoints/step-000003"],
+        ["incomplete checkpoint", "optimizer.pt"],
+        setup=_setup_run(_remove_optimizer),
+    ),
+    Case(
+        "Z8",
+        [*LENGTH, "trainer.max_steps=2", "hydra.run.dir={in}/run", "trainer.resume=auto"],
+        ["at step 3", "trainer.max_steps=2", "Raise trainer.max_steps"],
+        setup=_setup_run(),
+    ),
+    Case(
+        "Z9",
+        [*LENGTH, "trainer.max_steps=5", "hydra.run.dir={in}/run", "trainer.resume=auto"],
+        ["trainer.resume=", "step-000003", "corrupt"],
+        setup=_setup_run(_corrupt_model),
+    ),
     # --- environment
-    Case("E1", [*LENGTH, "trainer.device=cpu", "trainer.precision=fp16"], ["trainer.precision=fp16", "trainer.precision=fp32"]),
-    Case("E2", [*LENGTH, "trainer.device=cuda"], ["trainer.device='cuda'", "trainer.device=cpu"], marks=(NO_GPU,)),
-    Case("E3", [*LENGTH, "trainer.max_steps=1", "hydra.run.dir=out"], ["could not write checkpoint", "Free disk space"],
-         file_size_limit=64 * 1024, allowed=_disk_full_leftovers),
-    Case("E4", [*LENGTH, "hydra.run.dir={in}/a-file/run"], ["a-file/run", "hydra.run.dir"],
-         setup=lambda d, ctx: _write(d / "a-file", "not a folder\n")),
+    Case(
+        "E1",
+        [*LENGTH, "trainer.device=cpu", "trainer.precision=fp16"],
+        ["trainer.precision=fp16", "trainer.precision=fp32"],
+    ),
+    Case(
+        "E2",
+        [*LENGTH, "trainer.device=cuda"],
+        ["trainer.device='cuda'", "trainer.device=cpu"],
+        marks=(NO_GPU,),
+    ),
+    Case(
+        "E3",
+        [*LENGTH, "trainer.max_steps=1", "hydra.run.dir=out"],
+        ["could not write checkpoint", "Free disk space"],
+        file_size_limit=64 * 1024,
+        allowed=_disk_full_leftovers,
+    ),
+    Case(
+        "E4",
+        [*LENGTH, "hydra.run.dir={in}/a-file/run"],
+        ["a-file/run", "hydra.run.dir"],
+        setup=lambda d, ctx: _write(d / "a-file", "not a folder\n"),
+    ),
 ]
 
 MARKERS = ("PICKLE_RAN", "REMOTE_CODE_RAN", "REWARD_MODULE_RAN", "CHECKPOINT_PICKLE_RAN")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CATALOGUE])
-def test_catalogue_bad_input_is_a_short_message_with_no_traceback_and_no_artefacts(case, tmp_path, tiny_folder,
-                                                                                     trained_run):
+def test_catalogue_bad_input_is_a_short_message_with_no_traceback_and_no_artefacts(
+    case, tmp_path, tiny_folder, trained_run
+):
     inputs, cwd = tmp_path / "in", tmp_path / "work"
     inputs.mkdir()
     cwd.mkdir()
@@ -343,7 +536,9 @@ def test_catalogue_bad_input_is_a_short_message_with_no_traceback_and_no_artefac
         return text.replace("{in}", str(inputs)).replace("{ctx_tiny}", str(tiny_folder))
 
     args = (SMALL if case.small else []) + [fill(a) for a in case.args]
-    env = {k: fill(v) + os.pathsep + str(TESTS) if k == "PYTHONPATH" else fill(v) for k, v in case.env.items()}
+    env = {
+        k: fill(v) + os.pathsep + str(TESTS) if k == "PYTHONPATH" else fill(v) for k, v in case.env.items()
+    }
     before = snapshot(tmp_path)
     res = grpo(args, cwd, env=env, file_size_limit=case.file_size_limit)
     out = res.stdout + res.stderr
@@ -399,7 +594,7 @@ def assert_checkpoints_load(run_dir: Path) -> list[Path]:
     for ckpt in found:
         AutoModelForCausalLM.from_pretrained(ckpt, use_safetensors=True)
         state, _, _ = load_training_state(ckpt)
-        assert state["step"] == int(ckpt.name.split("-")[1])
+        assert state.step == int(ckpt.name.split("-")[1])
     return found
 
 
@@ -424,8 +619,11 @@ def test_signal_saves_a_checkpoint_and_prints_how_to_resume(tmp_path, tiny_folde
 
 def test_second_signal_abandons_the_step_without_a_traceback(tmp_path, tiny_folder):
     run_dir = tmp_path / "run"
-    args = SMALL + LENGTH + ["trainer.epochs=50", "trainer.max_steps=10000", "trainer.save_steps=2",
-                             f"hydra.run.dir={run_dir}"]
+    args = (
+        SMALL
+        + LENGTH
+        + ["trainer.epochs=50", "trainer.max_steps=10000", "trainer.save_steps=2", f"hydra.run.dir={run_dir}"]
+    )
     proc = start(args, tmp_path)
     _wait_for_rows(run_dir, proc, 3)
     proc.send_signal(signal.SIGINT)
@@ -445,24 +643,36 @@ def test_signal_before_training_starts_leaves_nothing(tmp_path, tiny_folder):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("fault,leftover", [
-    ("kill_before_state:2", ".tmp-step-000002"),  # the weights are written, the state is not
-    ("kill_before_rename:2", ".tmp-step-000002"),  # everything is written, not yet renamed
-    ("kill_during_rotate:3", ".trash-step-000001"),  # an old checkpoint half deleted
-    ("kill_after_save:2", None),
-])
-def test_sigkill_during_a_checkpoint_write_never_leaves_a_corrupt_checkpoint(tmp_path, tiny_folder, fault, leftover):
+@pytest.mark.parametrize(
+    "fault,leftover",
+    [
+        ("kill_before_state:2", ".tmp-step-000002"),  # the weights are written, the state is not
+        ("kill_before_rename:2", ".tmp-step-000002"),  # everything is written, not yet renamed
+        ("kill_during_rotate:3", ".trash-step-000001"),  # an old checkpoint half deleted
+        ("kill_after_save:2", None),
+    ],
+)
+def test_sigkill_during_a_checkpoint_write_never_leaves_a_corrupt_checkpoint(
+    tmp_path, tiny_folder, fault, leftover
+):
     run_dir = tmp_path / "run"
-    args = SMALL + LENGTH + ["trainer.max_steps=4", "trainer.save_steps=1", "trainer.keep_last=2",
-                             f"hydra.run.dir={run_dir}"]
+    args = (
+        SMALL
+        + LENGTH
+        + ["trainer.max_steps=4", "trainer.save_steps=1", "trainer.keep_last=2", f"hydra.run.dir={run_dir}"]
+    )
     res = grpo(args, tmp_path, fault=fault)
     assert res.returncode == -signal.SIGKILL, res.stdout + res.stderr
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     if leftover:  # the kill really landed inside the write
         assert any(n.startswith(leftover) for n in names), names
     found = assert_checkpoints_load(run_dir)
-    expect_last = {"kill_before_state:2": 1, "kill_before_rename:2": 1, "kill_during_rotate:3": 3,
-                   "kill_after_save:2": 2}[fault]
+    expect_last = {
+        "kill_before_state:2": 1,
+        "kill_before_rename:2": 1,
+        "kill_during_rotate:3": 3,
+        "kill_after_save:2": 2,
+    }[fault]
     assert int(found[-1].name.split("-")[1]) == expect_last, names
 
     res = grpo(args + ["trainer.resume=auto"], tmp_path)
@@ -492,10 +702,20 @@ def test_incomplete_and_temporary_folders_are_never_listed(tmp_path, trained_run
 
 # ============================================================================= 3. exact resume
 
-EXACT = SMALL + ["reward=[]", "+reward.code.fn=reward_fixtures:char_code", "optimizer.learning_rate=1e-3",
-                 "optimizer.lr_scheduler=cosine", "optimizer.warmup_steps=1", "loss.beta=0.04",
-                 "trainer.prompts_per_step=2", "trainer.gradient_accumulation_steps=2", "trainer.num_iterations=2",
-                 "trainer.max_steps=6", "trainer.save_steps=3", "trainer.keep_last=5"]
+EXACT = SMALL + [
+    "reward=[]",
+    "+reward.code.fn=reward_fixtures:char_code",
+    "optimizer.learning_rate=1e-3",
+    "optimizer.lr_scheduler=cosine",
+    "optimizer.warmup_steps=1",
+    "loss.beta=0.04",
+    "trainer.prompts_per_step=2",
+    "trainer.gradient_accumulation_steps=2",
+    "trainer.num_iterations=2",
+    "trainer.max_steps=6",
+    "trainer.save_steps=3",
+    "trainer.keep_last=5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -510,9 +730,14 @@ def _comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("time/")} for r in rows]
 
 
-@pytest.mark.parametrize("fault,code", [("signal_after_step:3:SIGTERM", 143), ("kill_after_save:3", -9)],
-                         ids=["SIGTERM-after-step-3", "SIGKILL-after-checkpoint-3"])
-def test_killed_and_resumed_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, uninterrupted, fault, code):
+@pytest.mark.parametrize(
+    "fault,code",
+    [("signal_after_step:3:SIGTERM", 143), ("kill_after_save:3", -9)],
+    ids=["SIGTERM-after-step-3", "SIGKILL-after-checkpoint-3"],
+)
+def test_killed_and_resumed_run_equals_the_uninterrupted_run_bit_for_bit(
+    tmp_path, uninterrupted, fault, code
+):
     run_dir = tmp_path / "run"
     res = grpo(EXACT + [f"hydra.run.dir={run_dir}"], tmp_path, fault=fault)
     assert res.returncode == code, res.stdout + res.stderr
@@ -577,8 +802,15 @@ def _inject(monkeypatch, bad_calls: set[int], kind: str = "loss", poison_weights
     monkeypatch.setattr(engine, "grpo_loss", grpo_loss)
 
 
-NUMERIC = SMALL + ["reward=[]", "+reward.alt.fn=reward_fixtures:alternating", "optimizer.learning_rate=1e-3",
-                   "loss.beta=0", "data.eval_size=0", "trainer.save_steps=2", "trainer.max_steps=8"]
+NUMERIC = SMALL + [
+    "reward=[]",
+    "+reward.alt.fn=reward_fixtures:alternating",
+    "optimizer.learning_rate=1e-3",
+    "loss.beta=0",
+    "data.eval_size=0",
+    "trainer.save_steps=2",
+    "trainer.max_steps=8",
+]
 
 
 @pytest.fixture
@@ -589,9 +821,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_non_finite_loss_skips_the_update_then_stops_with_the_last_good_weights(compose, tmp_path, monkeypatch,
-                                                                              capsys, one_thread):
-    from grpo_cli.engine import run
+def test_non_finite_loss_skips_the_update_then_stops_with_the_last_good_weights(
+    compose, tmp_path, monkeypatch, capsys, one_thread
+):
+    from grpo_cli.cli.train import train_config as run
     from grpo_cli.errors import TrainingDiverged
 
     _inject(monkeypatch, bad_calls={3, 4, 5}, kind="loss")
@@ -616,9 +849,10 @@ def test_non_finite_loss_skips_the_update_then_stops_with_the_last_good_weights(
     assert state["step"] == 5 and state["last_good_step"] == 2
 
 
-def test_non_finite_gradient_is_named_and_an_isolated_bad_step_does_not_stop_the_run(compose, tmp_path, monkeypatch,
-                                                                                     capsys, one_thread):
-    from grpo_cli.engine import run
+def test_non_finite_gradient_is_named_and_an_isolated_bad_step_does_not_stop_the_run(
+    compose, tmp_path, monkeypatch, capsys, one_thread
+):
+    from grpo_cli.cli.train import train_config as run
 
     _inject(monkeypatch, bad_calls={2, 5}, kind="gradient")
     cfg = compose(NUMERIC + ["trainer.max_bad_steps=2", "trainer.max_steps=6"])
@@ -632,26 +866,27 @@ def test_non_finite_gradient_is_named_and_an_isolated_bad_step_does_not_stop_the
 
 
 def test_non_finite_weights_are_never_saved(compose, tmp_path, monkeypatch, one_thread):
-    import grpo_cli.engine as engine
-    from grpo_cli.engine import run
+    import grpo_cli.build as build
+    from grpo_cli.cli.train import train_config as run
     from grpo_cli.errors import TrainingDiverged
 
-    original = engine.build_optimizer
+    original = build.build_optimizer
 
-    def build_optimizer(model, **kw):
-        optimizer, scheduler = original(model, **kw)
+    def build_optimizer(params, **kw):
+        params = list(params)
+        optimizer, scheduler = original(params, **kw)
         updates = {"n": 0}
 
         def blow_up(opt, args, kwargs):  # step 3's update overflows the weights
             updates["n"] += 1
             if updates["n"] == 3:
                 with torch.no_grad():
-                    next(model.parameters()).fill_(float("inf"))
+                    params[0].fill_(float("inf"))
 
         optimizer.register_step_post_hook(blow_up)
         return optimizer, scheduler
 
-    monkeypatch.setattr(engine, "build_optimizer", build_optimizer)
+    monkeypatch.setattr(build, "build_optimizer", build_optimizer)
     cfg = compose(NUMERIC + ["trainer.keep_last=10"])
     with pytest.raises(TrainingDiverged) as info:
         run(cfg, tmp_path)
@@ -663,8 +898,11 @@ def test_non_finite_weights_are_never_saved(compose, tmp_path, monkeypatch, one_
 
 def test_diverged_run_exits_3_with_a_diagnosis(tmp_path, tiny_folder):
     run_dir = tmp_path / "run"
-    res = grpo(SMALL + LENGTH + ["trainer.max_steps=8", "trainer.max_bad_steps=2", f"hydra.run.dir={run_dir}"],
-               tmp_path, fault="nan_loss_from:2")
+    res = grpo(
+        SMALL + LENGTH + ["trainer.max_steps=8", "trainer.max_bad_steps=2", f"hydra.run.dir={run_dir}"],
+        tmp_path,
+        fault="nan_loss_from:2",
+    )
     assert res.returncode == 3, res.stdout + res.stderr
     assert_no_traceback(res)
     assert "grpo-train: training stopped: 2 steps in a row" in res.stderr and "Diagnosis:" in res.stderr
@@ -693,10 +931,17 @@ def test_every_torch_load_uses_weights_only():
     calls = []
     for path in (ROOT / "grpo_cli").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
-                ok = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
-                         for k in node.keywords)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
+                ok = any(
+                    k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.keywords
+                )
                 calls.append((path.name, node.lineno, ok))
     assert calls, "no torch.load found: the scan is broken"
     assert all(ok for _, _, ok in calls), [c for c in calls if not c[2]]
@@ -727,7 +972,9 @@ def test_resume_allows_settings_changes_but_not_a_model_change(trained_run):
     changed = json.loads(json.dumps(saved))
     changed["optimizer"]["learning_rate"] = 0.5
     changed["trainer"]["quiet"] = not saved["trainer"]["quiet"]
-    assert check_resume_config(ckpt, changed) == [f"optimizer.learning_rate: {saved['optimizer']['learning_rate']!r} -> 0.5"]
+    assert check_resume_config(ckpt, changed) == [
+        f"optimizer.learning_rate: {saved['optimizer']['learning_rate']!r} -> 0.5"
+    ]
     for key, value in (("name_or_path", "builtin:other"), ("revision", "v2"), ("gguf_file", "m.gguf")):
         other = json.loads(json.dumps(saved))
         other["model"][key] = value

@@ -38,8 +38,18 @@ TEXT_CASES = [
     ("47", "47"),  # plain string
     (chat("47"), "47"),  # TRL conversational completion
     ({"role": "assistant", "content": "47"}, "47"),  # a single message
-    ([{"role": "assistant", "content": [{"type": "text", "text": "4"}, {"type": "text", "text": "7"}]}], "47"),  # multimodal parts
-    ([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "b"}], "a\nb"),  # only assistant turns
+    (
+        [{"role": "assistant", "content": [{"type": "text", "text": "4"}, {"type": "text", "text": "7"}]}],
+        "47",
+    ),  # multimodal parts
+    (
+        [
+            {"role": "assistant", "content": "a"},
+            {"role": "tool", "content": "x"},
+            {"role": "assistant", "content": "b"},
+        ],
+        "a\nb",
+    ),  # only assistant turns
     (None, ""),  # nothing generated
 ]
 
@@ -144,14 +154,18 @@ def _id(case):
     return f"{mode}:{kind}{text!r}={gold}->{expected:g}"
 
 
-@pytest.mark.parametrize("completion,gold,options,expected", ACCURACY_CASES, ids=[_id(c) for c in ACCURACY_CASES])
+@pytest.mark.parametrize(
+    "completion,gold,options,expected", ACCURACY_CASES, ids=[_id(c) for c in ACCURACY_CASES]
+)
 def test_accuracy(completion, gold, options, expected):
     assert accuracy([completion], answer=[gold], **options) == [expected]
 
 
 def test_accuracy_batch_other_column_and_none_gold():
     # answer_column reads another dataset column; a None gold is "not applicable".
-    rewards = accuracy(["47", "12", "x"], solution=["47", "13", None], answer_column="solution", prompts=["p"] * 3)
+    rewards = accuracy(
+        ["47", "12", "x"], solution=["47", "13", None], answer_column="solution", prompts=["p"] * 3
+    )
     assert rewards == [1.0, 0.0, None]
 
 
@@ -253,7 +267,11 @@ LENGTH_CASES = [
     (128, {"mode": "dapo_overlong", "max_length": 128, "soft_cache": 32}, -1.0),  # DAPO: at max_length
     (200, {"mode": "dapo_overlong", "max_length": 128, "soft_cache": 32}, -1.0),  # DAPO: beyond
     (129, {"mode": "dapo_overlong", "max_length": 128}, -1.0),  # DAPO: hard cut without soft_cache
-    (112, {"target": 100, "mode": "reward", "max_length": 128, "soft_cache": 32}, 0.88 - 0.5),  # reward + overlong
+    (
+        112,
+        {"target": 100, "mode": "reward", "max_length": 128, "soft_cache": 32},
+        0.88 - 0.5,
+    ),  # reward + overlong
 ]
 
 
@@ -283,7 +301,10 @@ def test_length_units_differ():
         ({"target": 20, "unit": "words", "completion_ids": [[1]]}, "unit must be one of"),  # bad unit
         ({"completion_ids": [[1]]}, "target is required"),  # penalty without target
         ({"mode": "dapo_overlong", "completion_ids": [[1]]}, "max_length is required"),  # dapo without max
-        ({"mode": "dapo_overlong", "max_length": 8, "soft_cache": 9, "completion_ids": [[1]]}, "must not exceed"),
+        (
+            {"mode": "dapo_overlong", "max_length": 8, "soft_cache": 9, "completion_ids": [[1]]},
+            "must not exceed",
+        ),
         ({"target": 0, "completion_ids": [[1]]}, "target must be > 0"),  # division by zero
     ],
     ids=["no-ids", "unit", "no-target", "no-max", "cache>max", "zero-target"],
@@ -297,7 +318,7 @@ def test_length_errors(kwargs, message):
 # resolving and building
 # ----------------------------------------------------------------------------
 
-USER_MODULE = '''
+USER_MODULE = """
 def bonus(completions, flag=1.0, **kwargs):
     return [float(flag)] * len(completions)
 
@@ -341,7 +362,7 @@ def none_reward(completions, **kwargs):
 
 def echo_kwargs(completions, prompts, completion_ids, answer, offset=0.0, **kwargs):
     return [len(p) + len(ids) + float(a) + offset for p, ids, a in zip(prompts, completion_ids, answer)]
-'''
+"""
 
 
 @pytest.fixture
@@ -355,10 +376,18 @@ def user_mod(tmp_path, monkeypatch):
 
 def test_registry_is_explicit():
     assert set(REGISTRY) == {"accuracy", "format", "length"}
-    assert REGISTRY["accuracy"] is accuracy and REGISTRY["format"] is format_reward and REGISTRY["length"] is length
+    assert (
+        REGISTRY["accuracy"] is accuracy
+        and REGISTRY["format"] is format_reward
+        and REGISTRY["length"] is length
+    )
 
 
-@pytest.mark.parametrize("path", ["my_rewards:bonus", "my_rewards.bonus", "my_rewards:Holder.nested"], ids=["colon", "dot", "nested-attr"])
+@pytest.mark.parametrize(
+    "path",
+    ["my_rewards:bonus", "my_rewards.bonus", "my_rewards:Holder.nested"],
+    ids=["colon", "dot", "nested-attr"],
+)
 def test_resolve_import_path(user_mod, path):
     fn = resolve_reward("mine", path)
     assert callable(fn) and fn(["a"]) in ([1.0], [0.5])
@@ -371,7 +400,16 @@ def test_resolve_builtin():
 @pytest.mark.parametrize(
     "name,path,needles",
     [
-        ("acuracy", None, ["unknown reward 'acuracy'", "accuracy, format, length", "Did you mean 'accuracy'", "reward.acuracy.fn=package.module:function"]),
+        (
+            "acuracy",
+            None,
+            [
+                "unknown reward 'acuracy'",
+                "accuracy, format, length",
+                "Did you mean 'accuracy'",
+                "reward.acuracy.fn=package.module:function",
+            ],
+        ),
         ("mine", "no_such_module_xyz:f", ["module 'no_such_module_xyz' was not found"]),
         ("mine", "broken_dep:f", ["exists but importing it failed", "not_installed_dependency_xyz"]),
         ("mine", "syntax_err:f", ["importing module 'syntax_err' raised SyntaxError"]),
@@ -380,7 +418,16 @@ def test_resolve_builtin():
         ("mine", "my_rewards", ["not an import path"]),
         ("mine", "my rewards:f", ["not an import path"]),
     ],
-    ids=["unknown-name", "no-module", "missing-dependency", "syntax-error", "no-attribute", "not-callable", "no-function", "bad-chars"],
+    ids=[
+        "unknown-name",
+        "no-module",
+        "missing-dependency",
+        "syntax-error",
+        "no-attribute",
+        "not-callable",
+        "no-function",
+        "bad-chars",
+    ],
 )
 def test_resolve_errors(user_mod, name, path, needles):
     with pytest.raises(RewardError) as err:
@@ -444,7 +491,9 @@ def test_build_rewards_accepts_omegaconf():
     omegaconf = pytest.importorskip("omegaconf")
     cfg = omegaconf.OmegaConf.create({"format": {"weight": 2, "required_tags": ["think", "answer"]}})
     (spec,) = build_rewards(cfg)
-    assert spec.options == {"required_tags": ["think", "answer"]} and type(spec.options["required_tags"]) is list
+    assert (
+        spec.options == {"required_tags": ["think", "answer"]} and type(spec.options["required_tags"]) is list
+    )
     assert spec.weight == 2.0
 
 
@@ -479,7 +528,11 @@ def test_score_weighted_totals_and_columns(user_mod):
 def test_score_passes_columns_prompts_ids_and_options(user_mod):
     (spec,) = build_rewards({"echo": {"fn": "my_rewards:echo_kwargs", "offset": 0.5}})
     totals, per_reward = score_rewards(
-        [spec], ["a", "b"], prompts=["abc", "x"], completion_ids=[[1], [1, 2, 3]], columns={"answer": ["10", "20"]}
+        [spec],
+        ["a", "b"],
+        prompts=["abc", "x"],
+        completion_ids=[[1], [1, 2, 3]],
+        columns={"answer": ["10", "20"]},
     )
     assert per_reward["echo"] == [3 + 1 + 10 + 0.5, 1 + 3 + 20 + 0.5]
 
@@ -492,7 +545,9 @@ def test_none_rule(user_mod):
     assert per_reward["accuracy"] == [1.0, None, 0.0]
     assert totals == [1.5, 0.5, 0.5]
     metrics = reward_metrics(per_reward)
-    assert metrics["rewards/accuracy/mean"] == 0.5 and metrics["rewards/accuracy/std"] == 0.5  # population std
+    assert (
+        metrics["rewards/accuracy/mean"] == 0.5 and metrics["rewards/accuracy/std"] == 0.5
+    )  # population std
     assert metrics["rewards/format/mean"] == 0.5 and metrics["rewards/format/std"] == 0.0
 
 
@@ -508,13 +563,34 @@ def _spec(path):
 @pytest.mark.parametrize(
     "path,completions,needles",
     [
-        ("my_rewards:raises_on_bad", ["ok", "ok", "a bad one"], ["reward 'mine' raised ValueError: cannot score this one", "index 2 of 3", "'a bad one'", "row: answer='c'"]),
-        ("my_rewards:batch_only", ["a", "b"], ["reward 'mine' raised RuntimeError", "does not fail", "whole batch"]),
+        (
+            "my_rewards:raises_on_bad",
+            ["ok", "ok", "a bad one"],
+            [
+                "reward 'mine' raised ValueError: cannot score this one",
+                "index 2 of 3",
+                "'a bad one'",
+                "row: answer='c'",
+            ],
+        ),
+        (
+            "my_rewards:batch_only",
+            ["a", "b"],
+            ["reward 'mine' raised RuntimeError", "does not fail", "whole batch"],
+        ),
         ("my_rewards:wrong_length", ["a", "b"], ["reward 'mine' returned 3 values for 2 completions"]),
-        ("my_rewards:non_numeric", ["a", "b"], ["reward 'mine' returned a non-numeric value '0.5'", "index 1", "'b'"]),
+        (
+            "my_rewards:non_numeric",
+            ["a", "b"],
+            ["reward 'mine' returned a non-numeric value '0.5'", "index 1", "'b'"],
+        ),
         ("my_rewards:nan_reward", ["a", "b"], ["reward 'mine' returned nan", "index 1", "'b'"]),
         ("my_rewards:not_a_list", ["a", "b"], ["reward 'mine' returned float 1.0", "must return a list"]),
-        ("my_rewards:none_reward", ["a", "b"], ["every reward (mine) returned None for completion index 0", "'a'", "configuration bug"]),
+        (
+            "my_rewards:none_reward",
+            ["a", "b"],
+            ["every reward (mine) returned None for completion index 0", "'a'", "configuration bug"],
+        ),
     ],
     ids=["raises", "batch-only", "wrong-length", "non-numeric", "nan", "not-a-list", "all-none"],
 )
@@ -542,7 +618,9 @@ def test_score_builtin_failure_names_reward():
 
 
 def test_score_inf_from_builtin_scale_is_caught(user_mod):
-    spec = RewardSpec(name="huge", fn=length, weight=1.0, options={"target": 1, "unit": "chars", "scale": 1e308})
+    spec = RewardSpec(
+        name="huge", fn=length, weight=1.0, options={"target": 1, "unit": "chars", "scale": 1e308}
+    )
     with pytest.raises(RewardError, match="reward 'huge' returned -inf"):
         _score([spec], ["x" * 100])
 
@@ -553,6 +631,8 @@ def test_score_column_length_mismatch():
 
 
 def test_score_option_column_clash(user_mod):
-    spec = RewardSpec(name="mine", fn=resolve_reward("mine", "my_rewards:bonus"), weight=1.0, options={"answer": 1})
+    spec = RewardSpec(
+        name="mine", fn=resolve_reward("mine", "my_rewards:bonus"), weight=1.0, options={"answer": 1}
+    )
     with pytest.raises(RewardError, match="option.*answer.*same name as dataset column"):
         _score([spec], ["a"], answer=["1"])

@@ -49,7 +49,7 @@ def test_sampling_cdf_implies_the_exact_distribution_on_a_qwen_sized_vocabulary(
 
 
 def test_a_tiny_token_after_most_of_the_mass_is_drawn_in_its_exact_interval():
-    V, k = QWEN_VOCAB, 150_000
+    k = 150_000
     probs = _peaked_zipf_probs(rows=1)[0]
     probs[k:] = 0.0
     probs[k] = 1e-8 * float(probs.sum())  # ~1e-8 of the mass, after all the rest
@@ -66,15 +66,25 @@ def test_a_tiny_token_after_most_of_the_mass_is_drawn_in_its_exact_interval():
 
 
 def test_zero_probability_tokens_are_never_drawn():
-    probs = torch.tensor([[0.0, 0.2, 0.0, 0.0, 0.3, 0.5, 0.0],
-                          [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
-                          [0.25, 0.0, 0.25, 0.0, 0.0, 0.0, 0.5]])
+    probs = torch.tensor(
+        [
+            [0.0, 0.2, 0.0, 0.0, 0.3, 0.5, 0.0],
+            [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
+            [0.25, 0.0, 0.25, 0.0, 0.0, 0.0, 0.5],
+        ]
+    )
     cdf = sampling_cdf(probs)  # [3, 7]
     # Every boundary of every row (where a search is most fragile), 0 and the largest u < 1.
-    u_edges = torch.cat([torch.zeros(3, 1, dtype=torch.float64), cdf / cdf[:, -1:],
-                         torch.full((3, 1), 1 - 2.0 ** -53, dtype=torch.float64)], 1)  # [3, 9]
+    u_edges = torch.cat(
+        [
+            torch.zeros(3, 1, dtype=torch.float64),
+            cdf / cdf[:, -1:],
+            torch.full((3, 1), 1 - 2.0**-53, dtype=torch.float64),
+        ],
+        1,
+    )  # [3, 9]
     for j in range(u_edges.shape[1]):
-        tokens = draw(probs, u=u_edges[:, j:j + 1])
+        tokens = draw(probs, u=u_edges[:, j : j + 1])
         assert (probs[torch.arange(3), tokens] > 0).all(), (j, tokens)
     tokens = draw(probs.repeat(2000, 1), torch.Generator().manual_seed(0))
     assert (probs.repeat(2000, 1)[torch.arange(6000), tokens] > 0).all()
@@ -91,19 +101,23 @@ def test_draw_in_chunks_equals_one_search_over_the_whole_batch():
 
 # ----------------------------------------------------------------------------- _few_rows_linear
 
+
 def _layers(bias: bool, dtype: torch.dtype):
     torch.manual_seed(0)
     return torch.nn.Linear(64, 300, bias=bias).to(dtype)
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("weight_dtype,input_dtype,autocast", [
-    (torch.float32, torch.float32, False),
-    (torch.bfloat16, torch.bfloat16, False),
-    (torch.float32, torch.float32, True),
-    (torch.bfloat16, torch.float32, True),
-    (torch.bfloat16, torch.bfloat16, True),
-])
+@pytest.mark.parametrize(
+    "weight_dtype,input_dtype,autocast",
+    [
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.float32, torch.float32, True),
+        (torch.bfloat16, torch.float32, True),
+        (torch.bfloat16, torch.bfloat16, True),
+    ],
+)
 @pytest.mark.parametrize("shape", [(1, 64), (3, 1, 64)])
 def test_few_rows_linear_matches_linear_dtype_and_values(bias, weight_dtype, input_dtype, autocast, shape):
     layer = _layers(bias, weight_dtype)
@@ -114,10 +128,13 @@ def test_few_rows_linear_matches_linear_dtype_and_values(bias, weight_dtype, inp
     assert got.dtype == expected.dtype and got.shape == expected.shape and got.is_contiguous()
     low = expected.dtype == torch.bfloat16
     # bf16: one rounding of the output (2^-8 relative), plus accumulation-order differences.
-    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2 if low else 1e-5, rtol=1e-2 if low else 1e-5)
+    torch.testing.assert_close(
+        got.float(), expected.float(), atol=2e-2 if low else 1e-5, rtol=1e-2 if low else 1e-5
+    )
 
 
 # ----------------------------------------------------------------------------- few_rows_linears
+
 
 def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

@@ -52,6 +52,7 @@ __all__ = [
     "check_rewards",
     "completion_text",
     "resolve_reward",
+    "passes",
     "reward_metrics",
     "score_rewards",
     "accuracy",
@@ -96,7 +97,9 @@ def _import_path_help(name: str) -> str:
 
 def _resolve_import_path(name: str, path: str) -> Callable:
     if not isinstance(path, str) or not path.strip():
-        raise RewardError(f"reward {name!r}: fn must be an import path string, got {path!r}. {_import_path_help(name)}")
+        raise RewardError(
+            f"reward {name!r}: fn must be an import path string, got {path!r}. {_import_path_help(name)}"
+        )
     path = path.strip()
     if ":" in path:
         module_name, _, attr_path = path.partition(":")
@@ -130,9 +133,11 @@ def _resolve_import_path(name: str, path: str) -> Callable:
     walked = module_name
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            available = sorted(
-                k for k, v in vars(obj).items() if callable(v) and not k.startswith("_")
-            ) if hasattr(obj, "__dict__") else []
+            available = (
+                sorted(k for k, v in vars(obj).items() if callable(v) and not k.startswith("_"))
+                if hasattr(obj, "__dict__")
+                else []
+            )
             close = difflib.get_close_matches(attr, available, n=3)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             listing = f" Callables there: {', '.join(available[:15])}." if available else ""
@@ -227,7 +232,9 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
             continue
         node = _plain(node)
         weight = node.get("weight", 1.0)
-        weight_ok = isinstance(weight, numbers.Real) and not isinstance(weight, bool) and math.isfinite(weight)
+        weight_ok = (
+            isinstance(weight, numbers.Real) and not isinstance(weight, bool) and math.isfinite(weight)
+        )
         if not weight_ok:
             problems.append(f"{where}.weight must be a finite number, got {weight!r}")
         options = {k: v for k, v in node.items() if k not in _NODE_KEYS}
@@ -241,7 +248,7 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
         except RewardError as exc:
             message = str(exc)
             prefix = f"reward {name!r}: "
-            problems.append(f"{where}: {message[len(prefix):] if message.startswith(prefix) else message}")
+            problems.append(f"{where}: {message[len(prefix) :] if message.startswith(prefix) else message}")
             continue
         checker = next((check for builtin, check in _OPTION_CHECKS.items() if builtin is fn), None)
         if checker is not None:
@@ -292,8 +299,9 @@ def _row_columns(columns: Mapping[str, list], i: int, limit: int = 60) -> str:
     return f" (row: {shown})"
 
 
-def _locate_failure(spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str],
-                    columns: Mapping[str, list]) -> str:
+def _locate_failure(
+    spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str], columns: Mapping[str, list]
+) -> str:
     """Re-call the reward on single completions to find which ones fail."""
     failing: list[tuple[int, BaseException]] = []
     for i in range(len(completions)):
@@ -400,7 +408,9 @@ def score_rewards(
 
     totals: list[float] = []
     for i in range(n):
-        applicable = [(spec.weight, per_reward[spec.name][i]) for spec in specs if per_reward[spec.name][i] is not None]
+        applicable = [
+            (spec.weight, per_reward[spec.name][i]) for spec in specs if per_reward[spec.name][i] is not None
+        ]
         if not applicable:
             raise RewardError(
                 f"every reward ({', '.join(s.name for s in specs)}) returned None for completion index {i}: "
@@ -427,3 +437,12 @@ def reward_metrics(per_reward: Mapping[str, Sequence[float | None]]) -> dict[str
         metrics[f"rewards/{name}/mean"] = mean
         metrics[f"rewards/{name}/std"] = std
     return metrics
+
+
+def passes(per_reward: Mapping[str, Sequence[float | None]], totals: Sequence[float]) -> list[bool]:
+    """Whether each completion passes: its accuracy reward is 1 when an accuracy reward is
+    configured, else its weighted total reward is > 0. The one pass rule of the training
+    metrics (pass_rate_hist) and grpo-eval (pass@1, pass@G, greedy accuracy)."""
+    if "accuracy" in per_reward:
+        return [v is not None and v >= 1.0 for v in per_reward["accuracy"]]
+    return [t > 0 for t in totals]

@@ -160,8 +160,15 @@ def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_real(problems: list[str], name: str, value: Any, *, minimum: float | None = None,
-               strictly_positive: bool = False, allow_none: bool = False) -> None:
+def check_real(
+    problems: list[str],
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    strictly_positive: bool = False,
+    allow_none: bool = False,
+) -> None:
     if value is None and allow_none:
         return
     if not is_real(value) or not math.isfinite(float(value)):
@@ -173,7 +180,9 @@ def check_real(problems: list[str], name: str, value: Any, *, minimum: float | N
         problems.append(f"option {name} must be >= {minimum}, got {value!r}")
 
 
-def check_int(problems: list[str], name: str, value: Any, *, minimum: int = 0, allow_none: bool = False) -> None:
+def check_int(
+    problems: list[str], name: str, value: Any, *, minimum: int = 0, allow_none: bool = False
+) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):

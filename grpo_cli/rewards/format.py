@@ -86,7 +86,9 @@ def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[s
         else:
             for tag in tags:
                 if not isinstance(tag, str) or not _TAG_NAME_RE.fullmatch(tag):
-                    problems.append(f"option required_tags: {tag!r} is not a tag name (write think, not <think>)")
+                    problems.append(
+                        f"option required_tags: {tag!r} is not a tag name (write think, not <think>)"
+                    )
             if len(set(map(str, tags))) != len(tags):
                 problems.append(f"option required_tags lists a tag twice: {list(tags)!r}")
     check_real(problems, "value", options.get("value", 1.0))

@@ -1,4 +1,5 @@
-"""How a grpo-train job ends: failures worded for the user, and sweeps that outlive their jobs.
+"""The sweep job wrapper of grpo-train. How a job ends: failures worded for the user, and sweeps
+that outlive their jobs.
 
 A single run prints its failure and exits with its status (grpo_cli/errors.py). In a sweep
 (`grpo-train -m`: Hydra's basic launcher runs the jobs one after another in this process) a
@@ -25,7 +26,8 @@ from typing import Any, Callable
 
 from grpo_cli import plots
 from grpo_cli.errors import EXIT_USER_ERROR, Interrupted, first_line
-from grpo_cli.summary import STATUS_FILE, jobs, print_summary, summarise_sweep, write_atomic, write_summary
+from grpo_cli.files import write_atomic
+from grpo_cli.summary import STATUS_FILE, jobs, print_summary, summarise_sweep, write_summary
 
 EXIT_INTERRUPTED = (130, 143)  # 128 + SIGINT, 128 + SIGTERM
 
@@ -42,7 +44,9 @@ class RunFailed(Exception):
         """The text errors.report_and_exit prints for the same title and problems."""
         if len(self.problems) == 1:
             return f"{self.title}: {self.problems[0]}"
-        return "\n".join([f"{self.title} ({len(self.problems)} problems):"] + [f"  - {p}" for p in self.problems])
+        return "\n".join(
+            [f"{self.title} ({len(self.problems)} problems):"] + [f"  - {p}" for p in self.problems]
+        )
 
     def summary_line(self) -> str:
         """One line for a summary: what failed and the first line of the first problem."""
@@ -79,12 +83,19 @@ class Sweep:
         self.dir: Path | None = None
         self.jobs: dict[Path, dict[str, Any]] = {}
 
-    def run_job(self, task: Callable[[], None], *, sweep_dir: Path, run_dir: Path, overrides: list[str],
-                num: int) -> None:
+    def run_job(
+        self, task: Callable[[], None], *, sweep_dir: Path, run_dir: Path, overrides: list[str], num: int
+    ) -> None:
         """Run one job; whatever it raises (but a signal) is recorded and the sweep goes on."""
         self.dir = Path(sweep_dir)
-        record: dict[str, Any] = {"job": num, "overrides": list(overrides), "status": "completed", "exit_code": 0,
-                                  "error": None, "started": _now()}
+        record: dict[str, Any] = {
+            "job": num,
+            "overrides": list(overrides),
+            "status": "completed",
+            "exit_code": 0,
+            "error": None,
+            "started": _now(),
+        }
         self.jobs[Path(run_dir)] = record
         start = time.perf_counter()
         try:
@@ -93,7 +104,9 @@ class Sweep:
             print(exc.message(), file=sys.stderr, flush=True)
             record.update(status="failed", exit_code=exc.code, error=exc.summary_line())
         except Interrupted as exc:
-            record.update(status="interrupted", exit_code=exc.exit_code, error=f"stopped by {exc.signal_name}")
+            record.update(
+                status="interrupted", exit_code=exc.exit_code, error=f"stopped by {exc.signal_name}"
+            )
             raise
         except SystemExit as exc:  # the engine after a signal (130/143), or code calling sys.exit
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -110,8 +123,11 @@ class Sweep:
         finally:
             record.update(wall_time_s=round(time.perf_counter() - start, 3), ended=_now())
             if record["status"] == "failed":
-                print(f"{self.prog}: job {num} failed (exit status {record['exit_code']}); the sweep goes on.",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{self.prog}: job {num} failed (exit status {record['exit_code']}); the sweep goes on.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._write_status(Path(run_dir), record)
             release_memory()
 
@@ -120,8 +136,11 @@ class Sweep:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(run_dir / STATUS_FILE, json.dumps(record, indent=2) + "\n")
         except OSError as exc:
-            print(f"{self.prog}: warning: could not write {run_dir / STATUS_FILE}: {first_line(exc)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.prog}: warning: could not write {run_dir / STATUS_FILE}: {first_line(exc)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @property
     def exit_code(self) -> int:
@@ -137,16 +156,25 @@ class Sweep:
         sweep_dir, self.dir = self.dir, None
         summary = summarise_sweep(sweep_dir, statuses=self.jobs, run_dirs=list(self.jobs))
         title = f"sweep {sweep_dir}: {jobs(len(self.jobs))}" + (
-            f" (stopped by {stopped_by}; the jobs after the last one did not run)" if stopped_by else "")
+            f" (stopped by {stopped_by}; the jobs after the last one did not run)" if stopped_by else ""
+        )
         print_summary(summary, title)
         written = []
         try:
             written = write_summary(summary, sweep_dir)
         except OSError as exc:
-            print(f"{self.prog}: warning: could not write the summary in {sweep_dir}: {first_line(exc)}",
-                  file=sys.stderr, flush=True)
-        png = plots.draw_safely(plots.draw_sweep, sweep_dir, [(row["label"], Path(row["run_dir"])) for row in summary.rows],
-                                title=f"sweep {sweep_dir}", prog=self.prog)
+            print(
+                f"{self.prog}: warning: could not write the summary in {sweep_dir}: {first_line(exc)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        png = plots.draw_safely(
+            plots.draw_sweep,
+            sweep_dir,
+            [(row["label"], Path(row["run_dir"])) for row in summary.rows],
+            title=f"sweep {sweep_dir}",
+            prog=self.prog,
+        )
         if written or png:
             print(f"summary: {', '.join(str(p) for p in [*written, *([png] if png else [])])}", flush=True)
         return self.exit_code

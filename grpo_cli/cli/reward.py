@@ -12,9 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from grpo_cli.cli.common import compose_config
 from grpo_cli.errors import UserError, report_and_exit
 
 
@@ -31,8 +33,10 @@ def _parse_columns(pairs: list[str]) -> dict[str, str]:
 def _read_cases(path: str) -> list[dict]:
     file = Path(path)
     if not file.is_file():
-        raise UserError(f"--file {path!r} does not exist; give a JSON Lines file with a "
-                        "`completion` field per line (other fields become dataset columns).")
+        raise UserError(
+            f"--file {path!r} does not exist; give a JSON Lines file with a "
+            "`completion` field per line (other fields become dataset columns)."
+        )
     cases = []
     for lineno, line in enumerate(file.read_text().splitlines(), start=1):
         if not line.strip():
@@ -47,39 +51,19 @@ def _read_cases(path: str) -> list[dict]:
     return cases
 
 
-def compose_reward_config(overrides: list[str], config_dir: str | None):
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    import grpo_cli.train  # noqa: F401  registers the schema and resolvers
-
-    try:
-        if config_dir:
-            # A user folder adds config groups to the shipped ones, as grpo-train --config-dir does.
-            overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
-        ctx = initialize_config_module(config_module="grpo_cli.conf", version_base="1.3")
-        with ctx:
-            cfg = compose(config_name="config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        message = str(exc).strip().split("\n")[0]
-        if "reward/" in message:
-            from grpo_cli.rewards import REGISTRY
-
-            message += (f" Built-in rewards: {', '.join(REGISTRY)}; add your own with "
-                        "+reward.NAME.fn=package.module:function.")
-        raise UserError(message) from exc
-    return OmegaConf.to_container(cfg.reward, resolve=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-reward-test", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. 'reward=[accuracy,format]'")
-    parser.add_argument("-c", "--completion", action="append", default=[], help="a completion to score (repeatable)")
-    parser.add_argument("--column", action="append", default=[],
-                        help="a dataset column for every completion, NAME=VALUE (repeatable)")
-    parser.add_argument("--file", help="JSON Lines: one {\"completion\": ..., <columns>...} per line")
+    parser.add_argument(
+        "-c", "--completion", action="append", default=[], help="a completion to score (repeatable)"
+    )
+    parser.add_argument(
+        "--column",
+        action="append",
+        default=[],
+        help="a dataset column for every completion, NAME=VALUE (repeatable)",
+    )
+    parser.add_argument("--file", help='JSON Lines: one {"completion": ..., <columns>...} per line')
     parser.add_argument("--prompt", default="", help="the prompt passed to the rewards")
     parser.add_argument("--tokenizer", help="model folder, hub id or builtin:tiny, for token-based rewards")
     parser.add_argument("--config-dir", help="a folder of your own config groups (as grpo-train's)")
@@ -97,20 +81,29 @@ def main(argv: list[str] | None = None) -> int:
         keys = sorted({k for row in rows for k in row} - {"completion"})
         missing = [k for k in keys if any(k not in row for row in rows)]
         if missing:
-            raise UserError(f"columns {missing} are set for some completions but not all; give them "
-                            "on every line or with --column.")
-        specs = build_rewards(compose_reward_config(args.overrides, args.config_dir))
+            raise UserError(
+                f"columns {missing} are set for some completions but not all; give them "
+                "on every line or with --column."
+            )
+        reward_cfg = compose_config(args.overrides, config_dir=args.config_dir, check=False).reward
+        specs = build_rewards(OmegaConf.to_container(reward_cfg, resolve=True))
         completions = [row["completion"] for row in rows]
         completion_ids = None
         if args.tokenizer:
             from grpo_cli.models import load_tokenizer, resolve_source
 
             tok = load_tokenizer(resolve_source(args.tokenizer))
-            completion_ids = [tok(c if isinstance(c, str) else str(c), add_special_tokens=False)["input_ids"]
-                              for c in completions]
+            completion_ids = [
+                tok(c if isinstance(c, str) else str(c), add_special_tokens=False)["input_ids"]
+                for c in completions
+            ]
         totals, per_reward = score_rewards(
-            specs, completions, prompts=[args.prompt] * len(rows), completion_ids=completion_ids,
-            columns={k: [row[k] for row in rows] for k in keys})
+            specs,
+            completions,
+            prompts=[args.prompt] * len(rows),
+            completion_ids=completion_ids,
+            columns={k: [row[k] for row in rows] for k in keys},
+        )
     except UserError as exc:
         report_and_exit("grpo-reward-test", [str(exc)])
     table = Table(title="rewards", header_style="bold")
@@ -123,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("total", justify="right", style="bold")
     for i, row in enumerate(rows):
         values = ["None" if per_reward[s.name][i] is None else f"{per_reward[s.name][i]:.4g}" for s in specs]
-        table.add_row(str(i), repr(row["completion"]), *[str(row[k]) for k in keys], *values, f"{totals[i]:.4g}")
+        table.add_row(
+            str(i), repr(row["completion"]), *[str(row[k]) for k in keys], *values, f"{totals[i]:.4g}"
+        )
     Console().print(table)
     return 0
 

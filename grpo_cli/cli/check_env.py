@@ -23,7 +23,8 @@ def _package_version(module: str) -> tuple[str | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
     version = getattr(mod, "__version__", None)
     if version is None:
-        from importlib.metadata import PackageNotFoundError, version as dist_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
 
         try:
             version = dist_version(DIST_NAMES.get(module, module))
@@ -67,8 +68,9 @@ def collect() -> dict[str, Any]:
         name = DIST_NAMES.get(module, module)
         info["packages"][name] = version
         if error and module in REQUIRED:
-            info["problems"].append(f"required package {name} cannot be imported ({error}); "
-                                    f"reinstall it: pip install -e '.[dev]'")
+            info["problems"].append(
+                f"required package {name} cannot be imported ({error}); reinstall it: pip install -e '.[dev]'"
+            )
     cuda = bf16 = False
     gpu_name = vram = None
     if info["packages"].get("torch"):

@@ -1,7 +1,8 @@
-"""`grpo-train`: compose the config, validate it, hand plain objects to the engine.
+"""`grpo-train`: compose the config, validate it, build the parts (build.py) and train
+(engine.py, where the loop is).
 
-No training logic lives here. The engine never reads Hydra state: this module reads the run
-folder once and passes it down.
+The engine never reads Hydra state: this module reads the run folder once and passes it down,
+with the config as the schema's typed dataclasses.
 
 Every way a run can end is a short message and a documented exit status (grpo_cli/errors.py),
 never a traceback for bad input: Hydra's own composition errors (bad type, unknown key or
@@ -18,7 +19,6 @@ import dataclasses
 import difflib
 import os
 import re
-import secrets
 import signal
 import sys
 from pathlib import Path
@@ -29,14 +29,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import plots
-from grpo_cli.config import Config, register_configs, validate
-from grpo_cli.errors import EXIT_DIVERGED, Interrupted, TrainingDiverged, UserError, first_line, report_and_exit
-from grpo_cli.jobs import RunFailed, Sweep
-
-# One id per process: two runs started in the same second get different folders.
-_RUN_ID = f"{os.getpid()}{secrets.token_hex(2)}"
-OmegaConf.register_new_resolver("grpo_run_id", lambda: _RUN_ID, replace=True)
-register_configs()
+from grpo_cli.cli.sweep import RunFailed, Sweep
+from grpo_cli.config import Config, to_typed, validate
+from grpo_cli.errors import (
+    EXIT_DIVERGED,
+    Interrupted,
+    TrainingDiverged,
+    UserError,
+    first_line,
+    report_and_exit,
+)
+from grpo_cli.files import write_atomic
+from grpo_cli.metrics import METRICS_FILE
 
 _task_started = False
 _training_started = False
@@ -44,27 +48,23 @@ _PREEXISTING: set[Path] = set()
 _SWEEP = Sweep()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save_run_record(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """The resolved config and the command-line overrides, next to everything the run writes."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        _write_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        write_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
     except OSError as exc:
-        raise UserError(f"could not write the run record in {run_dir}: {first_line(exc)}. Free disk space or "
-                        "point hydra.run.dir at a writable disk with room.") from exc
+        raise UserError(
+            f"could not write the run record in {run_dir}: {first_line(exc)}. Free disk space or "
+            "point hydra.run.dir at a writable disk with room."
+        ) from exc
 
 
 def _discard_if_nothing_trained(run_dir: Path) -> None:
     """Bad input found while building (data, model, rewards): leave no run folder behind."""
-    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists():
-        for name in ("config.yaml", "overrides.yaml", "config.yaml.tmp", "overrides.yaml.tmp"):
+    if not (run_dir / METRICS_FILE).exists() and not (run_dir / "checkpoints").exists():
+        for name in ("config.yaml", "overrides.yaml"):
             (run_dir / name).unlink(missing_ok=True)
         _remove_if_empty(run_dir)
 
@@ -102,13 +102,33 @@ def _train(cfg: DictConfig) -> None:
     overrides = list(hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         # One job of a sweep: its failure is recorded and the next job runs (grpo_cli/jobs.py).
-        _SWEEP.run_job(lambda: _run(cfg, run_dir, overrides, in_sweep=True), sweep_dir=Path(hydra_cfg.sweep.dir),
-                       run_dir=run_dir, overrides=overrides, num=hydra_cfg.job.num)
+        _SWEEP.run_job(
+            lambda: _run(cfg, run_dir, overrides, in_sweep=True),
+            sweep_dir=Path(hydra_cfg.sweep.dir),
+            run_dir=run_dir,
+            overrides=overrides,
+            num=hydra_cfg.job.num,
+        )
         return
     try:
         _run(cfg, run_dir, overrides, in_sweep=False)
     except RunFailed as exc:
         report_and_exit(exc.title, exc.problems, code=exc.code)
+
+
+def train_config(cfg: DictConfig, run_dir: Path, on_start=None) -> dict:
+    """Build the parts from a composed, validated config and train; the last metrics row ({} when
+    the checkpoint to resume already ends the run). What grpo-train runs, and the tests too."""
+    from rich.console import Console
+
+    from grpo_cli.build import build_training
+    from grpo_cli.engine import train
+
+    typed = to_typed(cfg)
+    parts = build_training(typed, run_dir, Console(quiet=typed.trainer.quiet))
+    if parts is None:
+        return {}
+    return train(typed, parts, run_dir, OmegaConf.to_yaml(cfg, resolve=True), on_start=on_start)
 
 
 def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool) -> None:
@@ -121,8 +141,6 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
         raise RunFailed("grpo-train: invalid configuration", problems)
     started = False
     try:
-        from grpo_cli.engine import run
-
         # The run record is written once everything is built, right before the first step.
         def on_start() -> None:
             global _training_started
@@ -130,7 +148,7 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
             save_run_record(cfg, run_dir, overrides)
             _training_started = started = True
 
-        run(cfg, run_dir, on_start=on_start)
+        train_config(cfg, run_dir, on_start=on_start)
     except UserError as exc:
         if not in_sweep:
             _discard_if_nothing_trained(run_dir)
@@ -211,10 +229,15 @@ def _explain_compose_error(text: str) -> str:
     """Hydra's message without its noise (search path, class names, traceback), plus the fix."""
     lines = text.strip().splitlines()
     if any(line.startswith("Traceback (most recent call last)") for line in lines):
-        last = [line.strip() for line in lines
-                if line.strip() and not line.startswith("Set the environment variable")]
-        return (f"grpo-train: could not start the run: {last[-1] if last else 'unknown error'}.\n"
-                "Check hydra.run.dir (a folder grpo-train can create and write to) and the other overrides.")
+        last = [
+            line.strip()
+            for line in lines
+            if line.strip() and not line.startswith("Set the environment variable")
+        ]
+        return (
+            f"grpo-train: could not start the run: {last[-1] if last else 'unknown error'}.\n"
+            "Check hydra.run.dir (a folder grpo-train can create and write to) and the other overrides."
+        )
     keep, in_search_path = [], False
     for line in lines:
         if line.startswith("Config search path:"):
@@ -224,8 +247,11 @@ def _explain_compose_error(text: str) -> str:
             continue
         in_search_path = False
         stripped = line.strip()
-        if not stripped or stripped.startswith(("reference_type=", "object_type=", "To append to your config")) \
-                or line.startswith("Set the environment variable HYDRA_FULL_ERROR"):
+        if (
+            not stripped
+            or stripped.startswith(("reference_type=", "object_type=", "To append to your config"))
+            or line.startswith("Set the environment variable HYDRA_FULL_ERROR")
+        ):
             continue
         keep.append(line.rstrip())
     hints = []
@@ -235,8 +261,11 @@ def _explain_compose_error(text: str) -> str:
         group = full.group(1).split(".")[0]
         fields = _group_fields(group)
         close = difflib.get_close_matches(key.group(1), fields, n=1)
-        hints.append(f"{full.group(1)} is not a key of {group}" + (f"; did you mean {group}.{close[0]}?" if close else ".")
-                     + (f" Its keys: {', '.join(fields)}." if fields else ""))
+        hints.append(
+            f"{full.group(1)} is not a key of {group}"
+            + (f"; did you mean {group}.{close[0]}?" if close else ".")
+            + (f" Its keys: {', '.join(fields)}." if fields else "")
+        )
     typed = re.search(r"could not be converted to (\w+)", text)
     if typed and full:
         hints.append(f"give {full.group(1)} a value of type {typed.group(1).lower()}.")
@@ -244,14 +273,20 @@ def _explain_compose_error(text: str) -> str:
     if missing and "Available options" not in text:
         options = _group_options(missing.group(1))
         if options:
-            hints.append(f"{missing.group(1)} has no option {missing.group(2)!r}; the options are: "
-                         f"{', '.join(options)} (add your own with --config-dir).")
+            hints.append(
+                f"{missing.group(1)} has no option {missing.group(2)!r}; the options are: "
+                f"{', '.join(options)} (add your own with --config-dir)."
+            )
     if "override_grammar" in text:
         for arg in _unparsable_overrides(sys.argv[1:]):
-            hints.append(f"cannot parse the override {arg!r}; quote values with special characters, e.g. "
-                         "'reward=[accuracy,format]' or 'data.system_prompt=\"Be brief.\"'.")
-    hints.append("`grpo-train --cfg job` prints the composed config with every key; `grpo-train --help` "
-                 "lists each group's options.")
+            hints.append(
+                f"cannot parse the override {arg!r}; quote values with special characters, e.g. "
+                "'reward=[accuracy,format]' or 'data.system_prompt=\"Be brief.\"'."
+            )
+    hints.append(
+        "`grpo-train --cfg job` prints the composed config with every key; `grpo-train --help` "
+        "lists each group's options."
+    )
     return "\n".join(["grpo-train: invalid command line:"] + [f"  {line.strip()}" for line in keep] + hints)
 
 
@@ -298,9 +333,16 @@ def main() -> None:
         raise
     except Interrupted as exc:
         sys.stderr.write(_STDERR.release())
-        print(f"grpo-train: stopped by {exc.signal_name} "
-              + ("after training; its checkpoints are kept." if _training_started else
-                 "before training started; nothing was saved."), file=sys.stderr, flush=True)
+        print(
+            f"grpo-train: stopped by {exc.signal_name} "
+            + (
+                "after training; its checkpoints are kept."
+                if _training_started
+                else "before training started; nothing was saved."
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         _SWEEP.finish(stopped_by=exc.signal_name)
         sys.exit(exc.exit_code)
     finally:

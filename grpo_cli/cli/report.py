@@ -15,12 +15,23 @@ from pathlib import Path
 
 from grpo_cli import plots
 from grpo_cli.errors import EXIT_USER_ERROR, first_line
-from grpo_cli.summary import (METRICS_FILE, is_run_dir, is_sweep_dir, jobs, print_summary, read_metrics,
-                              summarise, summarise_sweep, write_summary)
+from grpo_cli.metrics import METRICS_FILE
+from grpo_cli.summary import (
+    is_run_dir,
+    is_sweep_dir,
+    jobs,
+    print_summary,
+    read_metrics,
+    summarise,
+    summarise_sweep,
+    write_summary,
+)
 
 PROG = "grpo-report"
-WHERE = ("Give a folder that grpo-train wrote: a run folder (outputs/<date>/<time>-<id>, holding metrics.jsonl) "
-         "or a sweep folder (multirun/<date>/<time>-<id>, holding one folder per job).")
+WHERE = (
+    "Give a folder that grpo-train wrote: a run folder (outputs/<date>/<time>-<id>, holding metrics.jsonl) "
+    "or a sweep folder (multirun/<date>/<time>-<id>, holding one folder per job)."
+)
 
 
 def classify(path: Path) -> tuple[str, Path]:
@@ -35,8 +46,10 @@ def classify(path: Path) -> tuple[str, Path]:
         return "run", path
     if is_sweep_dir(path):
         return "sweep", path
-    raise UsageError(f"{path} is neither a run folder (it has no {METRICS_FILE}) nor a sweep folder (none of "
-                     "its folders holds a run).")
+    raise UsageError(
+        f"{path} is neither a run folder (it has no {METRICS_FILE}) nor a sweep folder (none of "
+        "its folders holds a run)."
+    )
 
 
 class UsageError(Exception):
@@ -58,8 +71,15 @@ def report_sweep(sweep_dir: Path) -> list[Path]:
         _warn(f"could not write the summary in {sweep_dir}: {first_line(exc)}")
     for row in summary.rows:
         written.append(plots.draw_safely(plots.draw_run, Path(row["run_dir"]), prog=PROG))
-    written.append(plots.draw_safely(plots.draw_sweep, sweep_dir, [(r["label"], Path(r["run_dir"])) for r in summary.rows],
-                                     title=f"sweep {sweep_dir}", prog=PROG))
+    written.append(
+        plots.draw_safely(
+            plots.draw_sweep,
+            sweep_dir,
+            [(r["label"], Path(r["run_dir"])) for r in summary.rows],
+            title=f"sweep {sweep_dir}",
+            prog=PROG,
+        )
+    )
     return [p for p in written if p]
 
 
@@ -76,9 +96,13 @@ def report_runs(run_dirs: list[Path]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=PROG, description=(
-        "Print the summary table and redraw the plots of grpo-train run or sweep folders (also while they run): "
-        "metrics.png per run; summary.csv, summary.json and summary.png per sweep."))
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Print the summary table and redraw the plots of grpo-train run or sweep folders (also while they run): "
+            "metrics.png per run; summary.csv, summary.json and summary.png per sweep."
+        ),
+    )
     parser.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a run folder or a sweep folder")
     args = parser.parse_args(argv)
     found, problems = [], []

@@ -1,0 +1,268 @@
+"""Config -> plain objects: data, tokenizer, models, optimizer, rewards, and a resumed run's state.
+
+Used by grpo-train (build_training) and grpo-eval (read_data, build_tokenizer, build_data,
+sampler_kwargs) alike. Cheap checks come first: a bad reward, device, precision, checkpoint or
+data file fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from grpo_cli import checkpoint as ckpt
+from grpo_cli.config import Config, DataConfig, SamplerConfig
+from grpo_cli.data import Example, PromptStream, build_prompts, read_rows
+from grpo_cli.errors import UserError, first_line
+from grpo_cli.models import ModelSource, load_model, load_tokenizer, resolve_source
+from grpo_cli.optim import build_optimizer
+from grpo_cli.precision import Precision, resolve_device, resolve_precision
+from grpo_cli.rewards import REGISTRY, RewardSpec, build_rewards
+
+
+def sampler_kwargs(s: SamplerConfig, **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments of rollout.sample that the sampler group sets (the one place they
+    are spelled out), with `overrides` (e.g. num_generations=1, greedy=True for evaluation)."""
+    return {
+        "num_generations": s.num_generations,
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        **overrides,
+    }
+
+
+def read_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """The training and held-out rows that cfg.data names (no tokenizer needed)."""
+    d = cfg.data
+    return read_rows(
+        source=d.source,
+        path=d.path,
+        subset=d.subset,
+        split=d.split,
+        eval_split=d.eval_split,
+        eval_size=d.eval_size,
+        prompt_column=d.prompt_column,
+        num_examples=d.num_examples,
+        max_operand=d.max_operand,
+        max_multiplier=d.max_multiplier,
+        operations=list(d.operations),
+        seed=cfg.trainer.seed,
+    )
+
+
+def build_tokenizer(cfg: Config, log) -> tuple[ModelSource, Any]:
+    """Where cfg.model's weights come from (printing the source) and its tokenizer."""
+    m = cfg.model
+    source = resolve_source(
+        m.name_or_path, m.gguf_file, offline_wheel=m.offline_wheel, offline_gguf=m.offline_gguf, log=log
+    )
+    tokenizer = load_tokenizer(
+        source,
+        chat_template=m.chat_template,
+        tokenizer_path=m.tokenizer,
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+    )
+    return source, tokenizer
+
+
+def build_data(cfg: Config, rows: tuple[list[dict], list[dict]], tokenizer):
+    """Tokenised prompts (chat template, long-prompt rule) from the rows of read_data."""
+    d = cfg.data
+    return build_prompts(
+        *rows,
+        tokenizer=tokenizer,
+        source=d.source,
+        path=d.path,
+        prompt_column=d.prompt_column,
+        system_prompt=d.system_prompt,
+        use_chat_template=d.use_chat_template,
+        long_prompts=d.long_prompts,
+        max_prompt_length=cfg.sampler.max_prompt_length,
+    )
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, list) else [extra])
+    return sorted(i for i in ids if i is not None)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, torch's and NumPy's global generators (the sampler draws from torch's)."""
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return
+    np.random.seed(seed)
+
+
+def check_reward_columns(rewards: list[RewardSpec], rows: list[dict], data_cfg: DataConfig) -> None:
+    """The accuracy reward needs a gold answer per prompt: check the column before any model loads."""
+    for spec in rewards:
+        if spec.fn is not REGISTRY["accuracy"]:
+            continue
+        column = spec.options.get("answer_column", "answer")
+        where = f"data.path={data_cfg.path!r}" if data_cfg.source != "arithmetic" else "the arithmetic data"
+        if rows and not any(column in row for row in rows):
+            raise UserError(
+                f"reward.{spec.name} needs the gold answer of each prompt, but {where} has no column "
+                f"{column!r} (columns: {', '.join(map(str, rows[0]))}). Set reward.{spec.name}.answer_column "
+                f"to the column that holds the answers, or drop the {spec.name} reward."
+            )
+        for row in rows:
+            if row.get(column) is None:
+                prompt = str(row.get(data_cfg.prompt_column))[:60]
+                raise UserError(
+                    f"reward.{spec.name} needs the gold answer of each prompt, but a record of {where} has no "
+                    f"{column!r} (prompt {prompt!r}); add its answer or remove that record."
+                )
+
+
+@dataclass
+class Parts:
+    """Everything the training loop runs on, built from the config."""
+
+    policy: Any
+    ref: Any  # the frozen reference model, or None when loss.beta == 0
+    tokenizer: Any
+    rewards: list[RewardSpec]
+    stream: PromptStream  # training prompts
+    eval_examples: list[Example]  # held-out prompts
+    optimizer: Any
+    scheduler: Any
+    device: Any
+    precision: Precision
+    eos_ids: list[int]
+    total_steps: int
+    state: ckpt.TrainerState  # where the run starts (step 0, or the resumed checkpoint's)
+    resumed_from: Path | None
+
+
+def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
+    """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
+    to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
+    resume already ends the run (nothing to do; said on stderr)."""
+    t, s = cfg.trainer, cfg.sampler
+    rewards = build_rewards(cfg.reward)
+    device = resolve_device(t.device)
+    precision = resolve_precision(t.precision, device)
+    resume_from = loaded = None
+    changed: list[str] = []
+    if t.resume:
+        resume_from = ckpt.find_resume_checkpoint(t.resume, run_dir)
+        changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
+        loaded = ckpt.load_training_state(resume_from)
+    train_rows, eval_rows = read_data(cfg)
+    check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
+    seed_everything(t.seed)
+
+    source, tokenizer = build_tokenizer(cfg, console.print)
+    console.print(
+        f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
+    )
+    data = build_data(cfg, (train_rows, eval_rows), tokenizer)
+    console.print(
+        f"data: {len(data.train)} training prompts, {len(data.eval)} held-out"
+        + (
+            f"; {data.dropped} dropped as longer than max_prompt_length={s.max_prompt_length}"
+            if data.dropped
+            else ""
+        )
+        + (f"; {data.truncated} truncated on the left" if data.truncated else "")
+    )
+
+    steps_per_epoch = math.ceil(len(data.train) / t.prompts_per_step)
+    total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
+    state = loaded[0] if loaded else ckpt.TrainerState()
+    if loaded and state.step == total_steps:
+        print(
+            f"grpo-train: the run is already complete ({resume_from} is step {total_steps} of {total_steps}); "
+            "nothing was changed. Raise trainer.max_steps to train further.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    if state.step > total_steps:
+        raise UserError(
+            f"checkpoint {resume_from} is at step {state.step}, and this run ends at step {total_steps} "
+            f"(trainer.max_steps={t.max_steps}, trainer.epochs={t.epochs}, {steps_per_epoch} steps per epoch): "
+            f"it is past the end. Raise trainer.max_steps (or trainer.epochs) above {state.step} to continue it."
+        )
+
+    model_kw = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+    policy_source = (
+        ModelSource(str(resume_from), None, f"checkpoint {resume_from}") if resume_from else source
+    )
+    policy = load_model(
+        policy_source,
+        device=device,
+        trainable=True,
+        gradient_checkpointing=t.gradient_checkpointing,
+        key="trainer.resume" if resume_from else "model.name_or_path",
+        **model_kw,
+    )
+    # The reference model exists only when the KL term does (beta > 0): frozen, eval, no grad.
+    ref = load_model(source, device=device, trainable=False, **model_kw) if cfg.loss.beta > 0 else None
+
+    o = cfg.optimizer
+    optimizer, scheduler = build_optimizer(
+        policy.parameters(),
+        learning_rate=o.learning_rate,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_epsilon=o.adam_epsilon,
+        lr_scheduler=o.lr_scheduler,
+        warmup_steps=o.warmup_steps,
+        total_updates=total_steps * t.num_iterations,
+    )
+    stream = PromptStream(data.train, seed=t.seed)
+    if loaded:
+        try:
+            optimizer.load_state_dict(loaded[1])
+            scheduler.load_state_dict(loaded[2])
+            stream.load_state(state.stream)
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+            raise UserError(
+                f"checkpoint {resume_from}: its optimizer/scheduler state does not fit this "
+                f"model and optimizer ({first_line(exc, 160)}); resume with the checkpoint's own "
+                "model and optimizer settings, or start a new run."
+            ) from exc
+        console.print(f"resumed from {resume_from} at step {state.step}")
+        if changed:
+            console.print(
+                "[yellow]settings differ from the checkpoint's (allowed; later steps will not "
+                "match an uninterrupted run exactly): " + "; ".join(changed) + "[/]"
+            )
+    return Parts(
+        policy=policy,
+        ref=ref,
+        tokenizer=tokenizer,
+        rewards=rewards,
+        stream=stream,
+        eval_examples=data.eval,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        device=device,
+        precision=precision,
+        eos_ids=eos_token_ids(tokenizer, policy),
+        total_steps=total_steps,
+        state=state,
+        resumed_from=resume_from,
+    )

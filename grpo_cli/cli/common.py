@@ -1,0 +1,67 @@
+"""What the commands share: composing the shipped config (plus a user's config folder or a
+checkpoint's saved config), validating it, and reporting failures as one short paragraph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grpo_cli.config import Config, to_typed, validate
+from grpo_cli.errors import UserError
+
+
+def compose_config(
+    overrides: list[str], *, checkpoint: str | None = None, config_dir: str | None = None, check: bool = True
+):
+    """The shipped config with `overrides` (a DictConfig), as grpo-train composes it.
+
+    config_dir: a folder of the user's own config groups, added to the shipped ones (as
+    grpo-train --config-dir does). checkpoint: a grpo-cli checkpoint folder; its saved config (its
+    data, sampler and reward settings) with key=value overrides on top, and the checkpoint as the
+    model. check: validate the whole config (every problem in one UserError).
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        if checkpoint:
+            saved = Path(checkpoint) / "config.yaml"
+            if not saved.is_file():
+                raise UserError(
+                    f"--checkpoint {checkpoint!r} has no config.yaml; give a grpo-cli "
+                    "checkpoint folder (outputs/.../checkpoints/step-N), or evaluate a plain "
+                    "model folder with model.name_or_path=DIR."
+                )
+            cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
+            bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~")) or "[" in o]
+            if bad:
+                raise UserError(f"with --checkpoint only key=value overrides apply, not {bad}.")
+            cfg.merge_with_dotlist(overrides)
+            cfg.model.name_or_path = str(Path(checkpoint).resolve())
+            cfg.model.gguf_file = None
+        else:
+            if config_dir:
+                overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+            with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
+                cfg = compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        message = str(exc).strip().splitlines()[0]
+        if "reward/" in message:
+            from grpo_cli.rewards import REGISTRY
+
+            message += (
+                f" Built-in rewards: {', '.join(REGISTRY)}; add your own with "
+                "+reward.NAME.fn=package.module:function."
+            )
+        raise UserError(message) from exc
+    if check:
+        problems = validate(cfg)
+        if problems:
+            raise UserError("invalid configuration: " + " ".join(problems))
+    return cfg
+
+
+def typed_config(overrides: list[str], **kwargs) -> Config:
+    """compose_config(...) as the schema's dataclasses (what the builders and the engine read)."""
+    return to_typed(compose_config(overrides, **kwargs))

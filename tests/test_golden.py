@@ -1,0 +1,65 @@
+"""Behaviour is kept across refactors: fixed-seed runs give the metrics recorded before the
+restructure of the code (tests/data/golden_*.jsonl), bit for bit on the CPU, timings stripped.
+
+Recorded with one torch thread (OMP_NUM_THREADS=1; a different thread count sums in another
+order). A deliberate change of what a run computes (a new sampler, a fixed bug) changes these
+numbers: re-record them with the command in each test, and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT, console_script, run_cli
+
+DATA = ROOT / "tests" / "data"
+TIMINGS = ("step_time", "tokens_per_second")
+
+
+def metrics_without_timings(path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in row.items() if not k.startswith("time/") and k not in TIMINGS} for row in rows]
+
+
+def run_golden(args: list[str], tmp_path, timeout: float = 600):
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    res = run_cli(
+        [console_script("grpo-train"), *args, "trainer.quiet=true", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        timeout=timeout,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return metrics_without_timings(tmp_path / "run" / "metrics.jsonl")
+
+
+TINY = [
+    "model=tiny",
+    "data.num_examples=64",
+    "data.eval_size=8",
+    "sampler.num_generations=4",
+    "sampler.max_new_tokens=8",
+    "trainer.max_steps=3",
+    "trainer.prompts_per_step=2",
+    "trainer.gradient_accumulation_steps=2",
+    "trainer.num_iterations=2",
+    "loss.beta=0.04",
+    "optimizer.learning_rate=1e-3",
+    "trainer.save_steps=2",
+    "trainer.seed=7",
+]
+
+
+def test_tiny_run_reproduces_the_recorded_metrics_bit_for_bit(tmp_path):
+    """Reference model, two iterations, two micro-batches, eval before and after, a checkpoint."""
+    assert run_golden(TINY, tmp_path) == metrics_without_timings(DATA / "golden_tiny_metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_smollm2_two_steps_reproduce_the_recorded_metrics_bit_for_bit(tmp_path):
+    """The default model and recipe, 2 steps of 2 prompts, 16 held-out prompts."""
+    rows = run_golden(
+        ["trainer.max_steps=2", "trainer.prompts_per_step=2", "data.eval_size=16"], tmp_path, 900
+    )
+    assert rows == metrics_without_timings(DATA / "golden_smollm2_metrics.jsonl")
