@@ -336,54 +336,6 @@ def build_prompts(
     return PromptData(train=train, eval=evals, dropped=d1 + d2, truncated=t1 + t2)
 
 
-def load_prompts(
-    *,
-    tokenizer,
-    source: str,
-    path: str | None,
-    subset: str | None,
-    split: str,
-    eval_split: str | None,
-    eval_size: int,
-    prompt_column: str,
-    system_prompt: str | None,
-    use_chat_template: bool,
-    long_prompts: str,
-    max_prompt_length: int,
-    num_examples: int,
-    max_operand: int,
-    max_multiplier: int,
-    operations: list[str],
-    seed: int,
-) -> PromptData:
-    train_rows, eval_rows = read_rows(
-        source=source,
-        path=path,
-        subset=subset,
-        split=split,
-        eval_split=eval_split,
-        eval_size=eval_size,
-        prompt_column=prompt_column,
-        num_examples=num_examples,
-        max_operand=max_operand,
-        max_multiplier=max_multiplier,
-        operations=operations,
-        seed=seed,
-    )
-    return build_prompts(
-        train_rows,
-        eval_rows,
-        tokenizer=tokenizer,
-        source=source,
-        path=path,
-        prompt_column=prompt_column,
-        system_prompt=system_prompt,
-        use_chat_template=use_chat_template,
-        long_prompts=long_prompts,
-        max_prompt_length=max_prompt_length,
-    )
-
-
 # ----------------------------------------------------------------------------- prompt stream
 
 

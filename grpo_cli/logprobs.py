@@ -36,6 +36,25 @@ def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch
     return logits
 
 
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """Run each (left-padded) prompt [B, P] once into a fresh KV cache: (the cache, the logits
+    [B, 1, V] of the last position, which score the first completion token). The training forward
+    and the sampler share prompts this way."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    logits = model_logits(
+        model,
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=position_ids_from_mask(prompt_mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )  # [B, 1, V]
+    return cache, logits
+
+
 def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits).gather(targets) without materialising the [B, T, V] log-prob tensor:
     logit of the target minus the row's logsumexp, computed row by row in fp32."""
@@ -110,19 +129,7 @@ def _forward_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
             use_cache=False,
         )  # [B, C+1, V]
         return logits[:, :-1, :]  # [B, C, V]: logits[:, i] predicts completion token i
-    from transformers import DynamicCache
-
-    p_ids, p_mask = prompt_ids[::G], prompt_mask[::G].long()  # [B/G, P]
-    cache = DynamicCache()
-    first = model_logits(
-        model,
-        input_ids=p_ids,
-        attention_mask=p_mask,
-        position_ids=position_ids_from_mask(p_mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )  # [B/G, 1, V]
+    cache, first = prefill(model, prompt_ids[::G], prompt_mask[::G].long())  # [B/G, 1, V]
     first_logits = first.repeat_interleave(G, dim=0)  # [B, 1, V]: scores completion token 0
     if C == 1:
         return first_logits

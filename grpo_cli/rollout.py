@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from grpo_cli.logprobs import model_logits, padding_bounds, position_ids_from_mask
+from grpo_cli.logprobs import model_logits, padding_bounds, position_ids_from_mask, prefill
 
 
 @dataclass
@@ -211,21 +211,11 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> Rollout:
     """`num_generations` completions of each prompt (token ids), rows grouped by prompt."""
-    from transformers import DynamicCache
 
     device = next(model.parameters()).device
     unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
     # Each prompt is prefilled once; its KV cache is then shared by its G completions.
-    cache = DynamicCache()
-    logits = model_logits(
-        model,
-        input_ids=unique_ids,
-        attention_mask=unique_mask,
-        position_ids=position_ids_from_mask(unique_mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )  # [B, 1, V]
+    cache, logits = prefill(model, unique_ids, unique_mask)  # [B, 1, V]
     cache.batch_repeat_interleave(num_generations)
     logits = logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
     prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from grpo_cli.data import PromptStream, arithmetic_rows, load_prompts
+from grpo_cli.build import build_data, read_data
+from grpo_cli.config import to_typed
+from grpo_cli.data import PromptStream, arithmetic_rows, build_prompts, read_rows
 from grpo_cli.errors import UserError
 from grpo_cli.models import load_tokenizer, resolve_source
 
@@ -37,7 +39,15 @@ def load(tok, **overrides):
         seed=0,
     )
     kw.update(overrides)
-    return load_prompts(**kw)
+    prompt_keys = ("tokenizer", "system_prompt", "use_chat_template", "long_prompts", "max_prompt_length")
+    rows = read_rows(**{k: v for k, v in kw.items() if k not in prompt_keys})
+    return build_prompts(
+        *rows,
+        source=kw["source"],
+        path=kw["path"],
+        prompt_column=kw["prompt_column"],
+        **{k: kw[k] for k in prompt_keys},
+    )
 
 
 def test_arithmetic_is_seeded_unique_and_eval_never_in_train():
@@ -157,26 +167,9 @@ def test_gsm8k_preset_on_a_local_file_in_the_same_format(compose, tmp_path):
         ["data=gsm8k", "data.source=file", f"data.path={path}", "data.eval_split=null", "reward=[accuracy]"]
     )
     assert validate(cfg) == []
-    d = cfg.data
-    data = load_prompts(
-        tokenizer=load_tokenizer(resolve_source("builtin:tiny")),
-        source=d.source,
-        path=d.path,
-        subset=d.subset,
-        split=d.split,
-        eval_split=d.eval_split,
-        eval_size=d.eval_size,
-        prompt_column=d.prompt_column,
-        system_prompt=d.system_prompt,
-        use_chat_template=d.use_chat_template,
-        long_prompts=d.long_prompts,
-        max_prompt_length=512,
-        num_examples=0,
-        max_operand=1,
-        max_multiplier=1,
-        operations=["+"],
-        seed=0,
-    )
+    typed = to_typed(cfg)
+    typed.sampler.max_prompt_length = 512
+    data = build_data(typed, read_data(typed), load_tokenizer(resolve_source("builtin:tiny")))
     assert len(data.train) + len(data.eval) == 20
     ex = data.train[0]
     total = int(ex.columns["answer"].split("#### ")[1])
