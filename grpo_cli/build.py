@@ -20,7 +20,14 @@ from grpo_cli import checkpoint as ckpt
 from grpo_cli.config import Config, DataConfig, SamplerConfig
 from grpo_cli.data import Example, PromptStream, build_prompts, read_rows
 from grpo_cli.errors import UserError, first_line
-from grpo_cli.models import ModelSource, load_model, load_tokenizer, resolve_source
+from grpo_cli.models import (
+    TESTED_MODEL_TYPES,
+    ModelSource,
+    load_model,
+    load_tokenizer,
+    resolve_source,
+    tested_architecture,
+)
 from grpo_cli.optim import build_optimizer
 from grpo_cli.precision import Precision, resolve_device, resolve_precision
 from grpo_cli.rewards import REGISTRY, RewardSpec, build_rewards
@@ -149,6 +156,7 @@ class Parts:
     device: Any
     precision: Precision
     eos_ids: list[int]
+    fast_paths: bool  # the model's type is in the tested matrix (models.tested_architecture)
     total_steps: int
     state: ckpt.TrainerState  # where the run starts (step 0, or the resumed checkpoint's)
     resumed_from: Path | None
@@ -250,6 +258,14 @@ def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
                 "[yellow]settings differ from the checkpoint's (allowed; later steps will not "
                 "match an uninterrupted run exactly): " + "; ".join(changed) + "[/]"
             )
+    fast_paths = tested_architecture(policy)
+    if not fast_paths:
+        console.print(
+            f"note: model type {getattr(policy.config, 'model_type', None)!r} is not among the architectures "
+            f"grpo-cli is tested on ({', '.join(TESTED_MODEL_TYPES)}); it trains through the plain paths "
+            "(no shared-prompt KV cache, no decode-time W @ x^T layers), and the step-0 self-check checks its "
+            "log-probs."
+        )
     return Parts(
         policy=policy,
         ref=ref,
@@ -262,6 +278,7 @@ def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
         device=device,
         precision=precision,
         eos_ids=eos_token_ids(tokenizer, policy),
+        fast_paths=fast_paths,
         total_steps=total_steps,
         state=state,
         resumed_from=resume_from,

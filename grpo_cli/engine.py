@@ -134,7 +134,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 parts.rewards,
                 eos_ids=parts.eos_ids,
                 pad_id=parts.tokenizer.pad_token_id,
-                **sampler_kwargs(s, num_generations=1, greedy=True),
+                **sampler_kwargs(s, num_generations=1, greedy=True, fast_decode=parts.fast_paths),
             )
 
     if on_start is not None:
@@ -177,7 +177,9 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             )
             tick = time.perf_counter()
             if ref is not None:
-                batch.ref_logps = _reference_logprobs(ref, batch, micro_rows, s.temperature, precision)
+                batch.ref_logps = _reference_logprobs(
+                    ref, batch, micro_rows, s.temperature, precision, parts.fast_paths
+                )
             phase["reference"] += time.perf_counter() - tick
 
             # 4. num_iterations updates on this rollout, each accumulating the gradient over shuffled
@@ -202,7 +204,11 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     C = mb.completion_ids.shape[1]
                     with autocast(device, precision):
                         logps, entropy = token_logprobs(
-                            policy, *mb.inputs(), temperature=s.temperature, with_entropy=True
+                            policy,
+                            *mb.inputs(),
+                            temperature=s.temperature,
+                            with_entropy=True,
+                            shared_prompt=parts.fast_paths,
                         )
                     logps = logps.float()  # [b, C]
                     if iteration == 0:
@@ -395,7 +401,7 @@ def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float]) -> Sample
                 [ex.prompt_ids for ex in examples],
                 eos_ids=[] if s.ignore_eos else parts.eos_ids,
                 pad_id=parts.tokenizer.pad_token_id,
-                **sampler_kwargs(s),
+                **sampler_kwargs(s, fast_decode=parts.fast_paths),
             )
         policy.train()
         phase["rollout"] += time.perf_counter() - tick
@@ -423,14 +429,16 @@ def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float]) -> Sample
     return sampled
 
 
-def _reference_logprobs(ref, batch: Rollout, micro_rows: list[torch.Tensor], temperature: float, precision):
+def _reference_logprobs(
+    ref, batch: Rollout, micro_rows: list[torch.Tensor], temperature: float, precision, shared_prompt: bool
+):
     """The reference model's log-probs [N, C] of the rollout's completions, micro-batch by micro-batch."""
     ref_logps = torch.zeros_like(batch.sampler_logps)  # [N, C]
     with torch.inference_mode(), autocast(ref_logps.device, precision):
         for rows in micro_rows:
             mb = batch.rows(rows)
             ref_logps[rows, : mb.completion_ids.shape[1]] = token_logprobs(
-                ref, *mb.inputs(), temperature=temperature
+                ref, *mb.inputs(), temperature=temperature, shared_prompt=shared_prompt
             ).float()
     return ref_logps.clone()  # leave inference mode: usable in autograd
 

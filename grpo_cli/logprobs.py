@@ -104,7 +104,9 @@ def shared_prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) ->
     return G if bool(same) else 1
 
 
-def _forward_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+def _forward_logits(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, shared_prompt: bool = True
+) -> torch.Tensor:
     """Logits [B, C, V] that score the C completion tokens: logits at position t score token
     t+1 (ref 000.2), so they are the ones from the last prompt position to the second-to-last
     completion position; only those are materialised.
@@ -113,9 +115,10 @@ def _forward_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
     cache is shared by its G completions (gradients flow back into the prompt's pass through
     the cache). Same numbers as running every [prompt, completion] row in full, up to float
     rounding (tested), at a fraction of the cost: prompts are often most of the tokens.
+    shared_prompt=False always runs the plain full rows (for an architecture not tested here).
     """
     C = completion_ids.shape[1]
-    G = shared_prompt_groups(prompt_ids, prompt_mask)
+    G = shared_prompt_groups(prompt_ids, prompt_mask) if shared_prompt else 1
     use_cache = G > 1 and not getattr(model, "is_gradient_checkpointing", False)
     if not use_cache:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
@@ -155,13 +158,17 @@ def token_logprobs(
     *,
     temperature: float,
     with_entropy: bool = False,
+    shared_prompt: bool = True,
 ):
     """Log-probs of each completion token under softmax(logits / temperature).
 
     prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C] are
     right-padded (mask 1 up to and including EOS). Returns logps [B, C] (and entropy [B, C]).
+    shared_prompt: run a group's prompt once and share its KV cache (see _forward_logits).
     """
-    logits = _forward_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # [B, C, V]
+    logits = _forward_logits(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, shared_prompt
+    )  # [B, C, V]
     # Same tempered distribution the sampler drew from (ref 000.4).
     logits = logits / temperature
     logps = selective_logprobs(logits, completion_ids)  # [B, C]

@@ -16,6 +16,28 @@ import torch
 from grpo_cli.errors import UserError, first_line
 
 BUILTIN_PREFIX = "builtin:"
+# The model types of tests/test_architectures.py's matrix (config.model_type): log-probs,
+# gradients, greedy decoding and a short training run checked for each. Other types train
+# through the plain paths (tested_architecture).
+TESTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "gpt2",
+    "opt",
+)
+
+
+def tested_architecture(model) -> bool:
+    """Whether the model's type is in the tested matrix: then the fast paths (the shared-prompt
+    KV cache in the training forward, the CPU decode's W @ x^T layers) are used; otherwise the
+    plain ones, with the step-0 self-check as the guard."""
+    return getattr(model.config, "model_type", None) in TESTED_MODEL_TYPES
 
 
 def cache_dir() -> Path:

@@ -11,6 +11,7 @@ same tokens as `generate` under the same seed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, fields, replace
@@ -209,8 +210,11 @@ def sample(
     pad_id: int,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    fast_decode: bool = True,
 ) -> Rollout:
-    """`num_generations` completions of each prompt (token ids), rows grouped by prompt."""
+    """`num_generations` completions of each prompt (token ids), rows grouped by prompt.
+    fast_decode: the CPU decode steps' W @ x^T linear layers (off for an architecture not
+    tested here: the model's own layers run)."""
 
     device = next(model.parameters()).device
     unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
@@ -227,7 +231,7 @@ def sample(
     position_ids = position_ids_from_mask(attention_mask)
     tokens, logps = [], []
     finished = torch.zeros(N, dtype=torch.bool, device=device)
-    with few_rows_linears(model):  # decode steps: one token per row
+    with few_rows_linears(model) if fast_decode else contextlib.nullcontext():  # decode: one token per row
         for step in range(max_new_tokens):
             logits = logits.float() / temperature  # [N, V]
             if greedy:

@@ -31,7 +31,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
 
     from grpo_cli.build import build_data, build_tokenizer, eos_token_ids, read_data, sampler_kwargs
     from grpo_cli.evaluate import score_examples
-    from grpo_cli.models import load_model
+    from grpo_cli.models import load_model, tested_architecture
     from grpo_cli.precision import autocast, resolve_device, resolve_precision
     from grpo_cli.rewards import build_rewards, passes
     from grpo_cli.rollout import sample
@@ -50,6 +50,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         raise UserError("the held-out split is empty; set data.eval_size > 0 (or data.eval_split).")
     model = load_model(source, device=device, trainable=False, **kw)
     eos_ids, pad_id = eos_token_ids(tokenizer, model), tokenizer.pad_token_id
+    fast = tested_architecture(model)
     pass_rule = "accuracy" if "accuracy" in [r.name for r in rewards] else "reward>0"
     torch.manual_seed(t.seed)
 
@@ -63,7 +64,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
                     [ex.prompt_ids for ex in chunk],
                     eos_ids=eos_ids,
                     pad_id=pad_id,
-                    **sampler_kwargs(s, num_generations=group, greedy=greedy),
+                    **sampler_kwargs(s, num_generations=group, greedy=greedy, fast_decode=fast),
                 )
             _, total, per_reward = score_examples(rewards, tokenizer, chunk, r, group)
             lengths += r.lengths.tolist()
