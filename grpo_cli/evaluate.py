@@ -8,12 +8,40 @@ from grpo_cli.data import Example
 from grpo_cli.rewards import score_rewards
 from grpo_cli.rollout import sample
 
+# transformers 4.x's clean-up of tokenization spaces (PreTrainedTokenizerBase.clean_up_tokenization).
+_SPACE_CLEANUP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+def clean_up_spaces(text: str) -> str:
+    for before, after in _SPACE_CLEANUP:
+        text = text.replace(before, after)
+    return text
+
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
-    return tokenizer.batch_decode(
+    """The completions' text, as the rewards see it. Decoding is explicit so that the text (and so
+    the rewards) does not depend on the transformers version: 4.x applies the tokenizer's
+    `clean_up_tokenization_spaces` setting, 5.x ignores it for BPE tokenizers (SmolLM2's "15 ."
+    instead of "15."). So: decode without the clean-up, then apply 4.x's when the tokenizer asks."""
+    texts = tokenizer.batch_decode(
         [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)],
         skip_special_tokens=True,
+        clean_up_tokenization_spaces=False,
     )
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        texts = [clean_up_spaces(t) for t in texts]
+    return texts
 
 
 def score_examples(rewards, tokenizer, examples: list[Example], rollout, group_size: int):

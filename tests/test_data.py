@@ -182,3 +182,21 @@ def test_gsm8k_preset_on_a_local_file_in_the_same_format(compose, tmp_path):
         columns={"answer": [ex.columns["answer"]] * 2},
     )
     assert per["accuracy"] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("clean_up,expected", [(True, "15. It's"), (False, "15 . It 's")])
+def test_completions_decode_the_same_under_every_transformers_version(tok, clean_up, expected):
+    """Decoding is explicit: the tokenizer's clean_up_tokenization_spaces setting is applied by
+    grpo-cli (as transformers 4.x did; 5.x ignores it for BPE tokenizers), so the rewards see the
+    same text whatever the installed version."""
+    import torch
+
+    from grpo_cli.evaluate import decode_completions
+
+    original = tok.clean_up_tokenization_spaces
+    tok.clean_up_tokenization_spaces = clean_up
+    try:
+        ids = torch.tensor([tok("15 . It 's", add_special_tokens=False)["input_ids"]])
+        assert decode_completions(tok, ids, torch.ones_like(ids)) == [expected]
+    finally:
+        tok.clean_up_tokenization_spaces = original

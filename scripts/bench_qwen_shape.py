@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""One full GRPO step with Qwen2.5-0.5B-Instruct's real architecture, without the hub.
+
+    bash scripts/run.sh python scripts/bench_qwen_shape.py               # 2 steps, default recipe shape
+    bash scripts/run.sh python scripts/bench_qwen_shape.py --steps 3 --json docs/bench_qwen_shape.json
+
+Builds a random-init Qwen2 model with the shape of `model=qwen0.5b` (hidden 896, 24 layers, 14
+attention heads, 2 KV heads, intermediate 4864, vocabulary 151,936, tied embeddings, q/k/v
+biases: 494M parameters) and a tokenizer with that many tokens (characters, then placeholder
+tokens), saves both as a model folder, and runs the real `grpo-train` on it in a fresh process
+(default recipe shape: 4 prompts x 8 completions x up to 16 new tokens, fp32, AdamW, beta 0 and
+0.04; a length reward, since random weights answer nothing right and a step without reward
+spread would skip its update). It shows that a model of this shape trains here (the step-0 self-check included) and
+prints a table of the step time (its phases from the time/* metrics) and the process's peak RSS;
+writes JSON with --json. A benchmark, not a test: nothing is asserted about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN_05B = dict(
+    vocab_size=151_936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32_768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def build(folder: Path) -> Path:
+    """The random-init Qwen2.5-0.5B-shaped model and a 151,936-token tokenizer, saved."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_cli.models import TINY_CHAT_TEMPLATE
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    names = specials + chars
+    names += [f"<t{i}>" for i in range(QWEN_05B["vocab_size"] - len(names))]
+    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    config = Qwen2Config(**QWEN_05B, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def run(folder: Path, beta: float, steps: int, out: Path) -> dict:
+    """grpo-train on the folder in a fresh process; its metrics and peak RSS."""
+    code = (
+        "import resource, sys; from grpo_cli.cli.train import main; sys.argv[0] = 'grpo-train'\n"
+        "try:\n    main()\nfinally:\n"
+        "    print('@@RSS@@', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+    )
+    args = [
+        f"model.name_or_path={folder}",
+        "data.eval_size=0",
+        "trainer.eval_before=false",
+        f"trainer.max_steps={steps}",
+        f"trainer.save_steps={steps + 1}",
+        "trainer.keep_last=1",
+        # Random weights answer nothing right: a reward on the completions' lengths in characters
+        # gives every group a spread, so the step has a signal and the optimizer really steps.
+        "reward=[length]",
+        "reward.length.unit=chars",
+        f"loss.beta={beta}",
+        "optimizer.learning_rate=1e-6",
+        f"hydra.run.dir={out}",
+    ]
+    start = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    if res.returncode != 0:
+        raise SystemExit(
+            f"grpo-train failed (exit {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        )
+    rss_kb = int(next(line.split()[1] for line in res.stdout.splitlines() if line.startswith("@@RSS@@")))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward" in r]
+    timed = rows[1:] or rows  # the first step warms up (allocations, kernels)
+    med = {
+        k: statistics.median(r[k] for r in timed)
+        for k in timed[0]
+        if k == "step_time" or k.startswith("time/")
+    }
+    return {
+        "beta": beta,
+        "steps": len(rows),
+        "first_step_s": rows[0]["step_time"],
+        "median_step_s": med["step_time"],
+        "phases_s": {k.split("/")[1]: v for k, v in med.items() if k.startswith("time/")},
+        "completion_tokens_per_s": statistics.median(r["tokens_per_second"] for r in timed),
+        "peak_rss_gb": rss_kb / 2**20,
+        "wall_s": wall,
+        "self_check": "self-check ok" in res.stdout,
+        "updates_skipped": sum(r["skipped_updates"] for r in rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2, help="steps per run (the first is warm-up)")
+    parser.add_argument("--betas", default="0,0.04", help="comma-separated loss.beta values")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        folder = build(Path(tmp) / "qwen0.5b-shape")
+        build_s = time.perf_counter() - t0
+        results = [run(folder, float(b), args.steps, Path(tmp) / f"run-{b}") for b in args.betas.split(",")]
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    print(
+        f"Qwen2.5-0.5B-shaped random-init model (494M parameters), fp32 CPU, {machine}; built in {build_s:.0f} s"
+    )
+    print(
+        f"{'beta':>5} {'step s (median)':>16} {'rollout':>8} {'reference':>9} {'policy':>7} {'optimizer':>9} "
+        f"{'tok/s':>6} {'peak RSS GB':>11} {'self-check':>10}"
+    )
+    for r in results:
+        p = r["phases_s"]
+        print(
+            f"{r['beta']:>5g} {r['median_step_s']:>16.1f} {p['rollout']:>8.1f} {p['reference']:>9.1f} "
+            f"{p['policy']:>7.1f} {p['optimizer']:>9.1f} {r['completion_tokens_per_s']:>6.1f} "
+            f"{r['peak_rss_gb']:>11.2f} {str(r['self_check']):>10}"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"machine": machine, "build_s": build_s, "runs": results}, indent=2)
+        )
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
