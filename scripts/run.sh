@@ -18,14 +18,18 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 
 stamp="$venv/.grpo-cli-installed"
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+# GRPO_PINS: extra requirements installed with the project, e.g. GRPO_PINS="transformers==4.57.6"
+# (CI tests the oldest supported transformers in a second environment this way).
+pins="${GRPO_PINS:-}"
+want="$( (cat "$root/pyproject.toml"; echo "$pins") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing torch and grpo-cli (first run only)" >&2
   # torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build on CPU machines.
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   fi
-  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[dev]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  # shellcheck disable=SC2086  # $pins is a list of requirements
+  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[dev]" $pins 2>&1 | grep -v '^WARNING: Location' >&2 || true
   "$venv/bin/python" -c 'import grpo_cli, torch, transformers, hydra' || {
     echo "[setup] installation failed; see the pip output above" >&2
     exit 1
