@@ -330,29 +330,36 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+def char_tokenizer(vocab_size: int | None = None):
+    """The built-in tokenizer: special tokens, then one token per printable ASCII character and
+    newline (103 in all); with `vocab_size`, placeholder tokens <tN> fill it up to that size (for
+    random-init models of a real model's shape, scripts/bench_qwen_shape.py)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+    names = specials + [chr(c) for c in range(32, 127)] + ["\n"]
+    names += [f"<t{i}>" for i in range((vocab_size or len(names)) - len(names))]
+    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
 def build_tiny(folder: Path | None = None) -> Path:
     """A ~0.2M-parameter Llama with a character-level tokenizer, built offline and cached."""
     folder = folder or cache_dir() / f"tiny-{TINY_VERSION}"
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
         return folder
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
-    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok = char_tokenizer()
+    vocab = tok.get_vocab()
     config = LlamaConfig(
         vocab_size=len(vocab),
         hidden_size=64,

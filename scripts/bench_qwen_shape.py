@@ -46,23 +46,11 @@ QWEN_05B = dict(
 def build(folder: Path) -> Path:
     """The random-init Qwen2.5-0.5B-shaped model and a 151,936-token tokenizer, saved."""
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli.models import TINY_CHAT_TEMPLATE
+    from grpo_cli.models import char_tokenizer
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    names = specials + chars
-    names += [f"<t{i}>" for i in range(QWEN_05B["vocab_size"] - len(names))]
-    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok = char_tokenizer(QWEN_05B["vocab_size"])
     config = Qwen2Config(**QWEN_05B, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
