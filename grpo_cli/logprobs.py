@@ -28,6 +28,10 @@ def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch
     if logits_to_keep is not None:
         kwargs["logits_to_keep"] = logits_to_keep
     params = inspect.signature(model.forward).parameters
+    if "past_key_values" in kwargs and "cache" in params and "past_key_values" not in params:
+        kwargs["cache"] = kwargs.pop(
+            "past_key_values"
+        )  # its name since transformers 5.2x (the old one warns)
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     logits = model(**kwargs).logits  # [B, L, V], or [B, k, V] when the model honours logits_to_keep
@@ -53,6 +57,14 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
         logits_to_keep=1,
     )  # [B, 1, V]
     return cache, logits
+
+
+def checkpointing(model) -> bool:
+    """Whether gradient (activation) checkpointing is on: transformers 5 renamed the attribute
+    and warns on the old name."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -119,7 +131,7 @@ def _forward_logits(
     """
     C = completion_ids.shape[1]
     G = shared_prompt_groups(prompt_ids, prompt_mask) if shared_prompt else 1
-    use_cache = G > 1 and not getattr(model, "is_gradient_checkpointing", False)
+    use_cache = G > 1 and not checkpointing(model)
     if not use_cache:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [B, P+C]
