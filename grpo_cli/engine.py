@@ -39,6 +39,7 @@ from grpo_cli.loss import (
 from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
 from grpo_cli.precision import autocast
 from grpo_cli.rollout import Rollout, concat, sample, select
+from grpo_cli.selfcheck import compare_logprobs
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -215,14 +216,15 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                         old = logps.detach()  # [b, C]
                         if old_logps is not None:
                             old_logps[rows, :C] = old
-                        updates.add_mismatch(old, mb.sampler_logps, mb.completion_mask)
+                        mismatch = compare_logprobs(old, mb.sampler_logps, mb.completion_mask, precision.name)
+                        updates.add_mismatch(mismatch)
                         if is_weights is not None:  # [N, C]
                             is_weights[rows, :C] = truncated_importance_weights(
                                 old, mb.sampler_logps, mb.completion_mask, cap=lo.tis_cap
                             )
                         if t.self_check and not parts.resumed_from and step == start_step + 1:
                             check = selfcheck.check_micro_batch(
-                                policy, old, mb, precision.name, s.temperature, check
+                                policy, mismatch, mb, precision.name, s.temperature, check
                             )
                     else:
                         old = old_logps[rows, :C]

@@ -244,12 +244,12 @@ class UpdateStats:
         self.entropy_sum += float(entropy[valid].sum())
         self.entropy_tokens += float(valid.sum())
 
-    def add_mismatch(self, trainer_logps, sampler_logps, mask) -> None:
-        """|trainer - sampler| log-prob [b, C] over the valid tokens of one micro-batch."""
-        delta = (trainer_logps - sampler_logps).abs()[mask.bool()]
-        self.mismatch_sum += float(delta.sum())
-        self.mismatch_max = max(self.mismatch_max, float(delta.max()) if delta.numel() else 0.0)
-        self.mismatch_tokens += float(delta.numel())
+    def add_mismatch(self, check) -> None:
+        """One micro-batch's |trainer - sampler| log-prob (a selfcheck.LogprobCheck, the one the
+        step-0 self-check judges too)."""
+        self.mismatch_sum += check.sum_abs_diff
+        self.mismatch_max = max(self.mismatch_max, check.max_abs_diff)
+        self.mismatch_tokens += float(check.valid_tokens)
 
     def update(self, loss: float, grad_norm: float) -> None:
         self.losses.append(loss)

@@ -109,13 +109,13 @@ def diagnose(
 
 
 def check_micro_batch(
-    policy, logps: torch.Tensor, mb, precision: str, temperature: float, worst: LogprobCheck | None
+    policy, check: LogprobCheck, mb, precision: str, temperature: float, worst: LogprobCheck | None
 ) -> LogprobCheck:
     """Step-0 self-check (ref 000.8) of one micro-batch `mb` (a rollout.Rollout) of the first step,
-    before any update: the trainer's log-probs [b, C] equal the sampler's within the precision's
-    tolerance (same tempered distribution, same shift and padding). Raises SelfCheckError with a
-    diagnosis; returns this micro-batch's check merged with `worst` (the earlier micro-batches')."""
-    check = compare_logprobs(logps.detach(), mb.sampler_logps, mb.completion_mask, precision)
+    before any update: `check` (compare_logprobs of the trainer's and the sampler's log-probs)
+    must be within the precision's tolerance (same tempered distribution, same shift and padding).
+    Raises SelfCheckError with a diagnosis; returns `check` merged with `worst` (the earlier
+    micro-batches')."""
     if not check.ok:
         with torch.no_grad():
             why = diagnose(
