@@ -96,12 +96,6 @@ def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> 
     return first, used
 
 
-def trim_padding(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """The four tensors without the columns that are padding in every row (padding_bounds)."""
-    first, used = padding_bounds(prompt_mask, completion_mask)
-    return prompt_ids[:, first:], prompt_mask[:, first:], completion_ids[:, :used], completion_mask[:, :used]
-
-
 def shared_prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     """G when the rows come in runs of G identical prompts (a GRPO batch: G completions per
     prompt, one group's rows consecutive), else 1."""

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from grpo_cli import logprobs as logprobs_mod
-from grpo_cli.logprobs import shared_prompt_groups, token_logprobs, trim_padding
+from grpo_cli.logprobs import shared_prompt_groups, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.rollout import draw, filter_logits, left_pad, sample
+from grpo_cli.rollout import Rollout, draw, filter_logits, left_pad, sample
 
 
 @pytest.fixture(scope="module")
@@ -146,16 +146,27 @@ def test_temperature_is_honoured(tiny):
     assert (cold - warm).abs().max() > 1e-2
 
 
-def test_trim_padding_drops_all_pad_columns_only(tiny):
+def test_micro_batch_rows_drop_all_pad_columns_only(tiny):
     _, tok = tiny
     p_ids, p_mask, c_ids, c_mask = batch_of(tok, [[5, 6], [7, 8, 9]], [[1], [2, 3]])
     p_ids = torch.cat([torch.full((2, 3), tok.pad_token_id), p_ids], 1)  # 3 extra pad columns
     p_mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), p_mask], 1)
     c_ids = torch.cat([c_ids, torch.full((2, 4), tok.pad_token_id)], 1)
     c_mask = torch.cat([c_mask, torch.zeros(2, 4, dtype=torch.long)], 1)
-    tp, tm, tc, tcm = trim_padding(p_ids, p_mask, c_ids, c_mask)
+    rollout = Rollout(
+        p_ids,
+        p_mask,
+        c_ids,
+        c_mask,
+        torch.zeros(2, dtype=torch.bool),
+        torch.zeros(c_ids.shape),
+        loss_mask=c_mask.clone(),
+    )
+    mb = rollout.rows(torch.arange(2))
+    tp, tm, tc, tcm = mb.inputs()
     assert tp.shape == (2, 3) and tc.shape == (2, 2)
     assert tm.sum() == p_mask.sum() and tcm.sum() == c_mask.sum()
+    assert mb.sampler_logps.shape == mb.loss_mask.shape == (2, 2) and mb.ref_logps is None
 
 
 def test_greedy_rollout_matches_generate(tiny):
