@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from grpo_cli import checkpoint as ckpt
+from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
 from grpo_cli.config import Config, DataConfig, SamplerConfig
 from grpo_cli.data import Example, PromptStream, build_prompts, read_rows
 from grpo_cli.errors import UserError, first_line
@@ -141,12 +142,66 @@ def check_reward_columns(rewards: list[RewardSpec], rows: list[dict], data_cfg: 
                 )
 
 
+def _model_kw(cfg: Config) -> dict[str, Any]:
+    return dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def load_policy(
+    cfg: Config, source: ModelSource, device, precision: Precision, *, trainable: bool, resume_from=None
+):
+    """The model to train or evaluate: the base model from `source`, with cfg.adapter's LoRA
+    adapters when it asks for them (fresh, or loaded from adapter.path or the checkpoint to resume).
+    Without adapters, a checkpoint to resume is itself the full model to load."""
+    a, gc = cfg.adapter, cfg.trainer.gradient_checkpointing and trainable
+    if a.name == "none":
+        where = ModelSource(str(resume_from), None, f"checkpoint {resume_from}") if resume_from else source
+        key = "trainer.resume" if resume_from else "model.name_or_path"
+        return load_model(
+            where, device=device, trainable=trainable, gradient_checkpointing=gc, key=key, **_model_kw(cfg)
+        )
+    import torch
+
+    quantized = a.quantization == "4bit"
+    check_quantization(a.quantization, device)
+    # The frozen base needs no fp32 master copy: under bf16/fp16 it is stored in that dtype (half
+    # the memory, and the CPU's bf16 units run it); the adapters stay fp32 (PEFT's default).
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.name)
+    base = load_model(
+        source,
+        device=device,
+        trainable=trainable,
+        gradient_checkpointing=gc and not quantized,
+        dtype=half or torch.float32,
+        quantize_4bit=quantized,
+        **_model_kw(cfg),
+    )
+    saved = resume_from or a.path
+    if saved:
+        model = load_lora(base, saved, trainable=trainable, quantized=quantized, gradient_checkpointing=gc)
+    else:
+        model = add_lora(
+            base,
+            r=a.r,
+            alpha=a.alpha,
+            dropout=a.dropout,
+            target_modules=list(a.target_modules),
+            init=a.init,
+            quantized=quantized,
+            gradient_checkpointing=gc,
+        )
+    if not trainable:
+        model.eval()
+    return model
+
+
 @dataclass
 class Parts:
     """Everything the training loop runs on, built from the config."""
 
-    policy: Any
-    ref: Any  # the frozen reference model, or None when loss.beta == 0
+    policy: Any  # a transformers model, or a PEFT model (LoRA adapters on the frozen base)
+    # The reference model, or None when loss.beta == 0: a frozen copy of the base model, or the
+    # policy itself when it has adapters (run under adapters.disabled_adapters).
+    ref: Any
     tokenizer: Any
     rewards: list[RewardSpec]
     stream: PromptStream  # training prompts
@@ -170,6 +225,7 @@ def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
     rewards = build_rewards(cfg.reward)
     device = resolve_device(t.device)
     precision = resolve_precision(t.precision, device)
+    check_quantization(cfg.adapter.quantization, device)
     resume_from = loaded = None
     changed: list[str] = []
     if t.resume:
@@ -213,24 +269,25 @@ def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
             f"it is past the end. Raise trainer.max_steps (or trainer.epochs) above {state.step} to continue it."
         )
 
-    model_kw = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-    policy_source = (
-        ModelSource(str(resume_from), None, f"checkpoint {resume_from}") if resume_from else source
-    )
-    policy = load_model(
-        policy_source,
-        device=device,
-        trainable=True,
-        gradient_checkpointing=t.gradient_checkpointing,
-        key="trainer.resume" if resume_from else "model.name_or_path",
-        **model_kw,
-    )
-    # The reference model exists only when the KL term does (beta > 0): frozen, eval, no grad.
-    ref = load_model(source, device=device, trainable=False, **model_kw) if cfg.loss.beta > 0 else None
+    policy = load_policy(cfg, source, device, precision, trainable=True, resume_from=resume_from)
+    if is_adapted(policy):
+        console.print(
+            f"adapter: LoRA r={cfg.adapter.r} alpha={cfg.adapter.alpha:g} on "
+            f"{', '.join(cfg.adapter.target_modules)}; {trainable_summary(policy)}"
+        )
+    # The reference model exists only when the KL term does (beta > 0): frozen, eval, no grad. With
+    # adapters it is the policy itself, run with its adapters disabled (engine: disabled_adapters).
+    ref = None
+    if cfg.loss.beta > 0:
+        ref = (
+            policy
+            if is_adapted(policy)
+            else load_model(source, device=device, trainable=False, **_model_kw(cfg))
+        )
 
     o = cfg.optimizer
     optimizer, scheduler = build_optimizer(
-        policy.parameters(),
+        policy.parameters(),  # the trainable ones: with adapters, only theirs
         learning_rate=o.learning_rate,
         weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1,

@@ -3,7 +3,8 @@ loss, full disk) never leaves a half-written checkpoint that looks complete; res
 rotation.
 
 Layout of `<run>/checkpoints/step-000050/`: the model (safetensors) and tokenizer as
-`save_pretrained` writes them (loadable with AutoModelForCausalLM.from_pretrained),
+`save_pretrained` writes them (loadable with AutoModelForCausalLM.from_pretrained; with
+adapter=lora, PEFT's adapter_config.json and adapter_model.safetensors instead of the model),
 `optimizer.pt`, `scheduler.pt`, the resolved `config.yaml`, and `trainer_state.pt` (step, data
 position, every RNG state, grad-scaler state), written last.
 
@@ -32,12 +33,17 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"
 FORMAT_VERSION = 1
-# Every file a checkpoint needs besides the weights (model.safetensors, or its shard index).
-REQUIRED_FILES = ("config.json", "config.yaml", "optimizer.pt", "scheduler.pt", "trainer_state.pt")
+# Every file a checkpoint needs besides the weights: a full model's (config.json and
+# model.safetensors or its shard index) or a LoRA adapter's (PEFT's adapter_config.json and
+# adapter_model.safetensors, which load onto the base model of config.yaml's model section).
+REQUIRED_FILES = ("config.yaml", "optimizer.pt", "scheduler.pt", "trainer_state.pt")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-# The model section keys that define the weights a checkpoint continues: they may not change
-# on resume. Everything else may (with a note that the run no longer reproduces exactly).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# The keys that define the weights a checkpoint continues (the model, and the shape of its
+# adapters): they may not change on resume. Everything else may (with a note that the run no
+# longer reproduces exactly).
 MODEL_IDENTITY_KEYS = ("name_or_path", "gguf_file", "revision", "tokenizer")
+ADAPTER_IDENTITY_KEYS = ("name", "r", "alpha", "target_modules", "quantization")
 # Keys that do not change what is computed; changing them on resume is not worth a note.
 _COSMETIC_KEYS = {
     "trainer.resume",
@@ -245,6 +251,10 @@ def clean_partial(run_dir: Path) -> None:
 
 def missing_files(path: Path) -> list[str]:
     missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if (path / ADAPTER_FILES[0]).is_file():  # a LoRA checkpoint
+        return missing + [name for name in ADAPTER_FILES[1:] if not (path / name).is_file()]
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         missing.append(WEIGHT_FILES[0])
     return missing
@@ -323,6 +333,16 @@ def check_resume_config(path: Path, current: dict[str, Any]) -> list[str]:
                 f"model.{key}={new!r}. A resumed run continues the checkpoint's weights, so "
                 f"model.{key} must stay the same: drop that override (or set model.{key}={old}), or start "
                 "a new run (a new hydra.run.dir, no trainer.resume) to train the other model."
+            )
+    saved_adapter, adapter = saved.get("adapter") or {"name": "none"}, current.get("adapter") or {}
+    for key in ADAPTER_IDENTITY_KEYS if saved_adapter.get("name") != "none" else ("name",):
+        old, new = saved_adapter.get(key), adapter.get(key)
+        if old != new:
+            raise UserError(
+                f"checkpoint {path} was trained with adapter.{key}={old!r}, but this run sets "
+                f"adapter.{key}={new!r}. A resumed run continues the checkpoint's "
+                f"{'adapters' if saved_adapter.get('name') != 'none' else 'full weights'}, so adapter.{key} must "
+                f"stay the same: drop that override (or set adapter.{key}={old}), or start a new run."
             )
     changed = []
     for key, old in _flatten(saved).items():

@@ -127,6 +127,30 @@ class OptimizerConfig:
 
 
 @dataclass
+class AdapterConfig:
+    # none: full fine-tuning. lora: LoRA adapters through PEFT; only they train, and with
+    # loss.beta > 0 the reference log-probs come from the same model with its adapters disabled.
+    name: str = "none"  # none | lora
+    r: int = 16
+    alpha: float = 32.0  # the update is scaled by alpha / r
+    # Applied in the training forward only: the trainer's log-probs then differ from the
+    # sampler's by the dropout noise, so it needs trainer.self_check=false (0 is GRPO's usual).
+    dropout: float = 0.0
+    # all-linear: every linear layer but the output head (PEFT's rule); or names such as
+    # [q_proj,v_proj] (a layer whose name ends with one of them is adapted).
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+    # default: A Kaiming-uniform, B = 0 (PEFT's); gaussian: A Gaussian, B = 0. Both start as the
+    # base model exactly. (PiSSA/OLoRA are not offered: they rewrite the base weights, so the
+    # adapters-disabled model would no longer be the reference.)
+    init: str = "default"  # default | gaussian
+    # 4bit: QLoRA, the base model's linear layers stored in 4-bit NF4 by bitsandbytes (CUDA only).
+    quantization: str = "none"  # none | 4bit
+    # A saved adapter folder (adapter_config.json, adapter_model.safetensors) to start from
+    # instead of fresh adapters; grpo-eval --checkpoint sets it to evaluate base + adapter.
+    path: Optional[str] = None
+
+
+@dataclass
 class TrainerConfig:
     prompts_per_step: int = 4  # 4 prompts x 8 completions = 32 rows per update
     gradient_accumulation_steps: int = 1
@@ -164,6 +188,7 @@ class Config:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -190,7 +215,7 @@ def to_typed(cfg: Any) -> Config:
 def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each option, from the module that implements it (imported here, not
     at the top, so that a bad command line is answered before torch is imported)."""
-    from grpo_cli import loss
+    from grpo_cli import adapters, loss
     from grpo_cli.data import LONG_PROMPT_RULES, SOURCES
     from grpo_cli.optim import LR_SCHEDULERS, OPTIMIZERS
     from grpo_cli.precision import PRECISIONS
@@ -209,6 +234,9 @@ def choices() -> dict[str, tuple[str, ...]]:
         "optimizer.name": OPTIMIZERS,
         "optimizer.lr_scheduler": LR_SCHEDULERS,
         "trainer.precision": PRECISIONS,
+        "adapter.name": adapters.ADAPTERS,
+        "adapter.init": adapters.LORA_INITS,
+        "adapter.quantization": adapters.QUANTIZATIONS,
     }
 
 
@@ -227,6 +255,7 @@ POSITIVE_INTS = (
     "trainer.max_bad_steps",
     "data.num_examples",
     "data.max_operand",
+    "adapter.r",
 )
 NON_NEGATIVE = (
     "sampler.top_k",
@@ -338,7 +367,52 @@ def validate(cfg: Any) -> list[str]:
     if not str(cfg.model.name_or_path).strip():
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
 
+    problems.extend(_validate_adapter(cfg.adapter, tr))
     problems.extend(_validate_rewards(cfg.reward))
+    return problems
+
+
+def _validate_adapter(a: Any, tr: Any) -> list[str]:
+    """The adapter group's values (the target names are checked against the model once it loads)."""
+    problems = []
+    if a.name == "none":
+        if a.quantization != "none":
+            problems.append(
+                f"adapter.quantization={a.quantization} quantizes the frozen base model of LoRA, but "
+                "adapter.name=none trains every weight; use adapter=qlora (LoRA on a 4-bit base)."
+            )
+        if a.path:
+            problems.append(
+                f"adapter.path={a.path!r} is a saved adapter, but adapter.name=none; set adapter.name=lora "
+                "(or adapter=lora) to load it."
+            )
+        return problems
+    if not a.alpha > 0:
+        problems.append(
+            f"adapter.alpha={a.alpha} must be > 0 (the update is scaled by alpha / r); 2*r is usual."
+        )
+    if not 0 <= a.dropout < 1:
+        problems.append(f"adapter.dropout={a.dropout} must be in [0, 1); 0 is GRPO's usual.")
+    elif a.dropout > 0 and tr.self_check:
+        problems.append(
+            f"adapter.dropout={a.dropout} makes the training forward random, so the trainer's log-probs differ "
+            "from the sampler's by the dropout noise and the step-0 self-check would stop the run. Set "
+            "adapter.dropout=0 (GRPO trains without dropout), or trainer.self_check=false to train with it."
+        )
+    targets = [str(t) for t in a.target_modules]
+    if not targets or any(not t.strip() for t in targets):
+        problems.append(
+            f"adapter.target_modules={targets} must name layers, e.g. [all-linear] or [q_proj,v_proj]."
+        )
+    elif "all-linear" in targets and len(targets) > 1:
+        problems.append(
+            f"adapter.target_modules={targets}: all-linear already adapts every linear layer; give "
+            "[all-linear] alone or a list of layer names."
+        )
+    if a.quantization != "none" and tr.device == "cpu":
+        from grpo_cli.adapters import QLORA_NEEDS_CUDA
+
+        problems.append(QLORA_NEEDS_CUDA)
     return problems
 
 

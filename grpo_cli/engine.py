@@ -23,6 +23,7 @@ import torch
 
 from grpo_cli import checkpoint as ckpt
 from grpo_cli import guards, selfcheck
+from grpo_cli.adapters import disabled_adapters
 from grpo_cli.build import Parts, sampler_kwargs
 from grpo_cli.config import Config
 from grpo_cli.errors import Interrupted, UserError, first_line
@@ -88,6 +89,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         parts.state,
     )
     device, precision, G = parts.device, parts.precision, s.num_generations
+    # What the optimizer updates, grad clipping and grad_norm cover: every weight, or the adapters'.
+    trainable = [p for p in policy.parameters() if p.requires_grad]
     scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
     if scaler is not None and state.grad_scaler:
         scaler.load_state_dict(state.grad_scaler)
@@ -178,9 +181,12 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             )
             tick = time.perf_counter()
             if ref is not None:
-                batch.ref_logps = _reference_logprobs(
-                    ref, batch, micro_rows, s.temperature, precision, parts.fast_paths
-                )
+                with disabled_adapters(
+                    ref
+                ):  # with LoRA, ref is the policy: its adapters off = the base model
+                    batch.ref_logps = _reference_logprobs(
+                        ref, batch, micro_rows, s.temperature, precision, parts.fast_paths
+                    )
             phase["reference"] += time.perf_counter() - tick
 
             # 4. num_iterations updates on this rollout, each accumulating the gradient over shuffled
@@ -245,9 +251,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 tick = time.perf_counter()
                 if scaler:
                     scaler.unscale_(optimizer)
-                grad_norm = float(
-                    torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optimizer.max_grad_norm)
-                )
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.max_grad_norm))
                 updates.update(loss_total, grad_norm)
                 finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
                 if not finite or not signal_:

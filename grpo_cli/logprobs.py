@@ -15,6 +15,12 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
 
 
+def forward_model(model):
+    """The transformers model that runs the forward: a PEFT model's wrapped model (its LoRA layers
+    are injected in place, so the adapters run), whose own signature decides the keywords below."""
+    return model.get_base_model() if type(model).__module__.startswith("peft.") else model
+
+
 def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch.Tensor:
     """model(**kwargs).logits, made uniform across architectures (every forward pass here and in
     the sampler goes through it):
@@ -25,6 +31,7 @@ def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch
     - keywords the forward does not take are dropped (Bart-style decoders have neither
       position_ids nor logits_to_keep, nor **kwargs): such a model computes its own positions.
     """
+    model = forward_model(model)
     if logits_to_keep is not None:
         kwargs["logits_to_keep"] = logits_to_keep
     params = inspect.signature(model.forward).parameters
@@ -62,6 +69,7 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
 def checkpointing(model) -> bool:
     """Whether gradient (activation) checkpointing is on: transformers 5 renamed the attribute
     and warns on the old name."""
+    model = forward_model(model)
     if hasattr(type(model), "is_activation_checkpointing"):
         return bool(model.is_activation_checkpointing)
     return bool(getattr(model, "is_gradient_checkpointing", False))

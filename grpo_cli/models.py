@@ -244,23 +244,32 @@ def load_model(
     gradient_checkpointing: bool = False,
     trainable: bool = True,
     key: str = "model.name_or_path",
+    dtype: torch.dtype = torch.float32,
+    quantize_4bit: bool = False,
 ):
     """fp32 master weights on `device`; the reference model (trainable=False) is frozen, eval.
-    Weights load from safetensors only (or GGUF): never from a pickle."""
+    Weights load from safetensors only (or GGUF): never from a pickle.
+
+    dtype: bf16/fp16 for a frozen LoRA base under that precision (no master weights needed).
+    quantize_4bit: the linear layers in 4-bit NF4 with double quantization (bitsandbytes, CUDA),
+    computing in `dtype`: the base of QLoRA."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=dtype)
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     else:
         kwargs["use_safetensors"] = True  # never unpickle .bin weights
+    if quantize_4bit:
+        kwargs.update(quantization_config=_nf4_config(dtype), device_map={"": device})
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.path, local_files_only=source.local_files_only, **kwargs
         )
     except Exception as exc:  # OSError, ValueError, SafetensorError (corrupt file), ...
         raise _load_error(source, exc, key=key) from exc
-    model.to(device)
+    if not quantize_4bit:  # a quantized model is placed by device_map (and cannot be moved)
+        model.to(device)
     if trainable:
         model.train()
         if gradient_checkpointing:
@@ -271,6 +280,19 @@ def load_model(
         model.requires_grad_(False)
     disable_dropout(model)
     return model
+
+
+def _nf4_config(compute_dtype: torch.dtype):
+    """QLoRA's storage (Dettmers et al. 2023): NF4 weights, double-quantized constants (the
+    device and bitsandbytes are checked before loading: adapters.check_quantization)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
 
 
 def _is_dropout_rate(name: str, value) -> bool:

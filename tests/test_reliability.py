@@ -125,9 +125,11 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def load_params(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trained weights: the full model's, or a LoRA checkpoint's adapters."""
     from safetensors.torch import load_file
 
-    return load_file(path / "model.safetensors")
+    adapter = path / "adapter_model.safetensors"
+    return load_file(adapter if adapter.is_file() else path / "model.safetensors")
 
 
 def assert_no_traceback(res):
@@ -718,10 +720,21 @@ EXACT = SMALL + [
 ]
 
 
+EXACT_LORA = EXACT + ["adapter=lora", "adapter.r=4", "optimizer.learning_rate=1e-2"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_folder) -> Path:
     work = tmp_path_factory.mktemp("uninterrupted")
     res = grpo(EXACT + [f"hydra.run.dir={work / 'run'}"], work)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return work / "run"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_lora(tmp_path_factory, tiny_folder) -> Path:
+    work = tmp_path_factory.mktemp("uninterrupted_lora")
+    res = grpo(EXACT_LORA + [f"hydra.run.dir={work / 'run'}"], work)
     assert res.returncode == 0, res.stdout + res.stderr
     return work / "run"
 
@@ -763,6 +776,26 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run_bit_for_bit(
     assert any(not torch.equal(final_a[k], initial[k]) for k in final_a)
     assert all(r["reward_std"] > 0 for r in expected)
     assert len({r["learning_rate"] for r in expected}) > 2
+
+
+def test_killed_and_resumed_lora_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, uninterrupted_lora):
+    """The same with LoRA adapters: the checkpoint holds the adapters (PEFT's format), which the
+    resumed run loads onto the base model, with the optimizer state over the adapters only."""
+    run_dir = tmp_path / "run"
+    res = grpo(EXACT_LORA + [f"hydra.run.dir={run_dir}"], tmp_path, fault="signal_after_step:3:SIGTERM")
+    assert res.returncode == 143, res.stdout + res.stderr
+    res = grpo(EXACT_LORA + [f"hydra.run.dir={run_dir}", "trainer.resume=auto"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    expected, got = read_metrics(uninterrupted_lora), read_metrics(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert _comparable(got) == _comparable(expected)
+    final_a = load_params(uninterrupted_lora / "checkpoints" / "step-000006")
+    final_b = load_params(run_dir / "checkpoints" / "step-000006")
+    assert final_a.keys() == final_b.keys() and all("lora_" in k for k in final_a)
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    step3 = load_params(uninterrupted_lora / "checkpoints" / "step-000003")
+    assert any(not torch.equal(final_a[k], step3[k]) for k in final_a)  # trained after the resume point
+    assert all(r["kl"] >= 0 for r in expected) and expected[-1]["kl"] > 0
 
 
 # ============================================================================= 4. numerical faults

@@ -17,7 +17,8 @@ def compose_config(
     config_dir: a folder of the user's own config groups, added to the shipped ones (as
     grpo-train --config-dir does). checkpoint: a grpo-cli checkpoint folder; its saved config (its
     data, sampler and reward settings) with key=value overrides on top, and the checkpoint as the
-    model. check: validate the whole config (every problem in one UserError).
+    model (a LoRA checkpoint: its adapter on config.yaml's base model). check: validate the
+    whole config (every problem in one UserError).
     """
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
@@ -38,8 +39,11 @@ def compose_config(
             if bad:
                 raise UserError(f"with --checkpoint only key=value overrides apply, not {bad}.")
             cfg.merge_with_dotlist(overrides)
-            cfg.model.name_or_path = str(Path(checkpoint).resolve())
-            cfg.model.gguf_file = None
+            if cfg.adapter.name != "none":  # base model (config.yaml's) + the checkpoint's adapter
+                cfg.adapter.path = str(Path(checkpoint).resolve())
+            else:  # the checkpoint is the full model
+                cfg.model.name_or_path = str(Path(checkpoint).resolve())
+                cfg.model.gguf_file = None
         else:
             if config_dir:
                 overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]

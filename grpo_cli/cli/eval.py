@@ -29,9 +29,17 @@ from grpo_cli.errors import UserError, report_and_exit
 def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=print) -> dict:
     import torch
 
-    from grpo_cli.build import build_data, build_tokenizer, eos_token_ids, read_data, sampler_kwargs
+    from grpo_cli.adapters import check_quantization
+    from grpo_cli.build import (
+        build_data,
+        build_tokenizer,
+        eos_token_ids,
+        load_policy,
+        read_data,
+        sampler_kwargs,
+    )
     from grpo_cli.evaluate import score_examples
-    from grpo_cli.models import load_model, tested_architecture
+    from grpo_cli.models import tested_architecture
     from grpo_cli.precision import autocast, resolve_device, resolve_precision
     from grpo_cli.rewards import build_rewards, passes
     from grpo_cli.rollout import sample
@@ -40,15 +48,15 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     rewards = build_rewards(cfg.reward)
     device = resolve_device(t.device)
     precision = resolve_precision(t.precision, device)
+    check_quantization(cfg.adapter.quantization, device)
     rows = read_data(cfg)
     source, tokenizer = build_tokenizer(cfg, log)
     log(f"grpo-eval device={device} precision={precision.name} model: {source.description}")
-    kw = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     data = build_data(cfg, rows, tokenizer)
     examples = data.eval[:num_prompts] if num_prompts else data.eval
     if not examples:
         raise UserError("the held-out split is empty; set data.eval_size > 0 (or data.eval_split).")
-    model = load_model(source, device=device, trainable=False, **kw)
+    model = load_policy(cfg, source, device, precision, trainable=False)
     eos_ids, pad_id = eos_token_ids(tokenizer, model), tokenizer.pad_token_id
     fast = tested_architecture(model)
     pass_rule = "accuracy" if "accuracy" in [r.name for r in rewards] else "reward>0"
@@ -78,7 +86,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     t0 = time.perf_counter()
     greedy_pass, greedy_len, greedy_reward = run(1, True)
     result = {
-        "model": source.description,
+        "model": source.description + (f" + LoRA adapter {cfg.adapter.path}" if cfg.adapter.path else ""),
         "num_prompts": len(examples),
         "pass_metric": pass_rule,
         "greedy_accuracy": sum(p for p, _ in greedy_pass) / len(examples),
