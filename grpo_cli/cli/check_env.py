@@ -10,8 +10,20 @@ import platform
 import sys
 from typing import Any
 
-REQUIRED = ("torch", "transformers", "datasets", "hydra", "omegaconf", "rich", "safetensors", "accelerate")
-OPTIONAL = ("gguf", "math_verify", "pytest")
+from grpo_cli.errors import UserError, report_and_exit
+
+REQUIRED = (
+    "torch",
+    "transformers",
+    "datasets",
+    "hydra",
+    "omegaconf",
+    "rich",
+    "safetensors",
+    "accelerate",
+    "peft",
+)
+OPTIONAL = ("gguf", "math_verify", "bitsandbytes", "pytest")
 DIST_NAMES = {"hydra": "hydra-core", "math_verify": "math-verify"}
 
 
@@ -116,17 +128,191 @@ def format_report(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """What the estimate reads from the composed config: lengths, batch sizes, beta, the device
+    and the precision that grpo-train would use on it (`auto` resolved as it resolves it)."""
+    t, s = cfg.trainer, cfg.sampler
+    # trainer.device=cuda plans for a GPU from any machine (with --memory-gib: its memory); a
+    # GPU that is not here is assumed to have bf16 (every GPU since Ampere).
+    planned = str(t.device).startswith("cuda") and not info["cuda_available"]
+    cuda = str(t.device).startswith("cuda") or (bool(info["cuda_available"]) and t.device == "auto")
+    precision = t.precision
+    if precision == "auto":
+        precision = recommend_precision(cuda, planned or bool(info["bf16_supported"]))[0]
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise UserError(
+            f"trainer.precision={precision!r} is not one of auto, fp32, bf16, fp16; pick one of those."
+        )
+    return dict(
+        device_type="cuda" if cuda else "cpu",
+        precision=precision,
+        beta=float(cfg.loss.beta),
+        prompts_per_step=int(t.prompts_per_step),
+        prompts_per_micro_batch=max(1, t.prompts_per_step // max(1, t.gradient_accumulation_steps)),
+        generations=int(s.num_generations),
+        prompt_length=int(s.max_prompt_length),
+        completion_length=int(s.max_new_tokens),
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+    )
+
+
+def memory_estimate(
+    model: str,
+    overrides: list[str],
+    info: dict[str, Any],
+    *,
+    lora_r: int | None = None,
+    memory_gib: float | None = None,
+) -> dict[str, Any]:
+    """Full fine-tuning, LoRA and QLoRA of `model` on this device (or one of memory_gib GiB), from
+    the model's config and the composed training config; nothing is downloaded or loaded."""
+    from grpo_cli import memory
+    from grpo_cli.cli.common import compose_config
+
+    if lora_r is not None and lora_r < 1:
+        raise UserError(f"--lora-r {lora_r} must be a positive integer, e.g. --lora-r 16.")
+    if memory_gib is not None and not memory_gib > 0:
+        raise UserError(f"--memory-gib {memory_gib:g} must be > 0 (the device's memory in GiB), e.g. 24.")
+    # A preset goes through Hydra as model=NAME; a hub id or folder is read as given (a path
+    # need not survive Hydra's override grammar, and the model config feeds nothing else here).
+    preset = memory.preset_source(model) is not None
+    cfg = compose_config(overrides + ([f"model={model}"] if preset else []), check=False)
+    name = str(cfg.model.name_or_path) if preset else model
+    settings = _settings(cfg, info)
+    lora_r = int(cfg.adapter.r) if lora_r is None else lora_r  # adapter.r (16) unless --lora-r says
+    shape = memory.model_shape(memory.resolve_model_config(model))
+    sampling = settings.pop("prompts_per_step")
+    estimates = {
+        method: memory.estimate(
+            shape, method=method, lora_r=lora_r, prompts_per_sampling_batch=sampling, **settings
+        )
+        for method in memory.METHODS
+    }
+    cuda = settings["device_type"] == "cuda"
+    if memory_gib is not None:
+        available, source = int(memory_gib * 2**30), "--memory-gib"
+    else:
+        gib = info["vram_gib"] if cuda else info["ram_gib"]
+        available, source = (
+            (None if gib is None else int(gib * 2**30)),
+            "GPU memory" if cuda else "system RAM",
+        )
+    if available is None:
+        recommended = {"method": "unknown", "reason": "the device's memory is unknown; pass --memory-gib X."}
+    else:
+        rec = memory.recommend(estimates, available, cuda)
+        recommended = {"method": rec.method, "reason": rec.reason}
+    methods = {}
+    for method, e in estimates.items():
+        usable = method != "qlora" or cuda
+        methods[method] = {
+            **e.as_dict(),
+            "usable": usable,
+            "fits": None if available is None or not usable else memory.fits(e.total, available),
+        }
+    return {
+        "model": model,
+        "name_or_path": name,
+        "model_type": shape.model_type,
+        "available_bytes": available,
+        "available_source": source,
+        "settings": {**settings, "prompts_per_step": sampling, "lora_r": lora_r},
+        "params": {
+            "total": shape.total_params,
+            "linear": shape.linear_params,
+            "lora_adapters": memory.lora_parameters(shape, lora_r),
+        },
+        "methods": methods,
+        "recommended": recommended,
+    }
+
+
+def format_estimate(est: dict[str, Any]) -> str:
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.2f}"
+
+    s, p = est["settings"], est["params"]
+    have = "unknown" if est["available_bytes"] is None else f"{gib(est['available_bytes'])} GiB"
+    lines = [
+        f"memory estimate: {est['name_or_path']} ({est['model_type']})",
+        f"  device           {s['device_type']}, {have} ({est['available_source']})",
+        f"  precision        {s['precision']}, gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}",
+        f"  batch            {s['prompts_per_micro_batch']} prompts x {s['generations']} completions per "
+        f"micro-batch ({s['prompts_per_step']} prompts sampled per step), {s['prompt_length']} prompt + "
+        f"{s['completion_length']} completion tokens, loss.beta={s['beta']:g}",
+        f"  parameters       {p['total']:,} total; LoRA r={s['lora_r']}: {p['lora_adapters']:,} adapter "
+        f"parameters on {p['linear']:,} in linear layers",
+    ]
+    columns = ("weights", "gradients", "optimizer", "reference", "activations", "runtime", "total")
+    header = (
+        "method",
+        "weights",
+        "grads",
+        "optimizer",
+        "reference",
+        "activations",
+        "runtime",
+        "total",
+        "fits?",
+    )
+    rows = []
+    for method, m in est["methods"].items():
+        fit = "n/a (CUDA only)" if not m["usable"] else {True: "yes", False: "no", None: "?"}[m["fits"]]
+        rows.append((method, *(gib(m[c]) for c in columns), fit))
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        cells = [
+            str(c).ljust(w) if i in (0, len(r) - 1) else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths))
+        ]
+        lines.append("  " + "  ".join(cells).rstrip())
+    lines.append("  (GiB; fits? = total + 10% headroom within the device's memory; activations are rough)")
+    rec = est["recommended"]
+    lines.append(f"recommended: {rec['method']} ({rec['reason']})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="grpo-check-env", description="Check that this machine and install can run grpo-train."
+        prog="grpo-check-env",
+        description="Check that this machine and install can run grpo-train; with --model, estimate "
+        "whether training that model fits this device (full fine-tuning, LoRA, QLoRA).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--model", help="a preset (qwen0.5b, smollm2-135m, tiny, ...), hub id or model folder to size up"
+    )
+    parser.add_argument(
+        "--lora-r", type=int, default=None, help="LoRA rank of the estimate (default: adapter.r, 16)"
+    )
+    parser.add_argument(
+        "--memory-gib", type=float, default=None, help="pretend the device has this many GiB (for planning)"
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra key=value overrides as for grpo-train (e.g. loss.beta=0.04 sampler.max_new_tokens=256)",
+    )
     args = parser.parse_args(argv)
     info = collect()
+    try:
+        if args.overrides and not args.model:
+            raise UserError(
+                f"the overrides {' '.join(args.overrides)} only apply to the memory estimate, which needs "
+                "--model; e.g. grpo-check-env --model qwen0.5b loss.beta=0.04."
+            )
+        if args.model:
+            info["memory_estimate"] = memory_estimate(
+                args.model, args.overrides, info, lora_r=args.lora_r, memory_gib=args.memory_gib
+            )
+    except UserError as exc:
+        report_and_exit("grpo-check-env", [str(exc)])
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         print(format_report(info))
+        if "memory_estimate" in info:
+            print(format_estimate(info["memory_estimate"]))
     return 1 if info["problems"] else 0
 
 

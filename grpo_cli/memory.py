@@ -1,0 +1,522 @@
+"""Will training this model fit this device? An estimate from the model's config alone.
+
+`grpo-check-env --model M` answers it before anything is downloaded or loaded: the model is built
+on the meta device (shapes, no storage) to count its parameters exactly, and the bytes of each
+way to train it (full fine-tuning, LoRA, QLoRA) are added up the way the trainer stores them.
+The weights, gradients, optimizer and reference terms are exact for that storage; the activation
+and runtime terms are rough, set by the module constants below (calibrated against a measured
+peak, so each is used in exactly one place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_cli.errors import UserError, first_line
+
+GIB = 2**30
+
+# --------------------------------------------------------------------------- storage (exact)
+
+FP32_BYTES = 4
+HALF_BYTES = 2  # bf16 / fp16
+# AdamW keeps two fp32 moments (exp_avg, exp_avg_sq) per trainable parameter.
+ADAMW_STATE_BYTES = 8
+# bitsandbytes NF4 with double quantization: 4 bits per weight + an 8-bit absmax per block of 64
+# + an fp32 second-level scale per 256 blocks = 4.127 bits, about 0.52 bytes per weight.
+NF4_BYTES = 0.52
+
+# --------------------------------------------------------------------------- activations (rough)
+
+# Bytes kept for backward per token and layer, in units of the activation dtype's size:
+# C_H * hidden_size + C_I * intermediate_size (norm inputs, q/k/v, attention output, residuals;
+# the MLP's gate/up/act products). First guesses from the layer's structure, to be calibrated
+# against a measured peak RSS / max_memory_allocated.
+C_H = 10
+C_I = 4
+# Copies of the [rows, completion, vocab] fp32 logits alive at the loss: the logits, their
+# tempered (/temperature) log-softmax input, and their gradient. To be calibrated.
+LOGITS_COPIES = 3
+
+# Memory the allocator holds beyond the live activations, as a fraction of them: freed
+# activations of earlier steps that cannot hold the next step's tensors (fragmentation). Measured
+# on the CPU (glibc malloc, SmolLM2-135M, default recipe shape, scripts/bench_lora.py memory):
+# peak RSS exceeds the live tensors by ~0.85x the activations with LoRA (and less with full
+# training, whose gradients and optimizer state reuse the freed memory). On a GPU, PyTorch's
+# caching allocator: not measured here (no GPU), a guess.
+ALLOCATOR_SLACK = {"cpu": 0.85, "cuda": 0.25}
+
+# --------------------------------------------------------------------------- runtime (rough)
+
+# Resident memory of the process before any model: Python, torch, transformers, the tokenizer.
+CPU_RUNTIME_BYTES = int(0.6 * GIB)
+# On a GPU: the CUDA context and the caching allocator's slack (fragmentation, workspaces).
+CUDA_RUNTIME_BYTES = int(0.8 * GIB)
+
+# A method "fits" when its estimate plus this fraction of it is within the device's memory.
+HEADROOM = 0.10
+
+METHODS = ("full", "lora", "qlora")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# The real config.json values (those that set the shapes) of the shipped presets' models and a
+# common larger one, so their estimates need neither the hub nor the Hugging Face cache.
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "Qwen/Qwen2.5-1.5B-Instruct": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    ),
+}
+
+
+# --------------------------------------------------------------------------- the model's config
+
+
+def conf_dir() -> Path:
+    """The shipped config folder (conf/, installed as the package grpo_cli.conf)."""
+    import grpo_cli.conf
+
+    return Path(grpo_cli.conf.__file__).resolve().parent
+
+
+def model_presets() -> list[str]:
+    """The names of conf/model/*.yaml: what `model=NAME` (and --model NAME) accepts."""
+    return sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
+
+
+def preset_source(name: str) -> str | None:
+    """The name_or_path of the preset `name`, or None when `name` is not a preset."""
+    if "/" in name or "\\" in name or name not in model_presets():
+        return None
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml").name_or_path)
+
+
+def resolve_model_config(name_or_path: str):
+    """The transformers config of a preset name, builtin:NAME, local folder or hub id, offline.
+
+    Nothing is downloaded: a hub id is answered from KNOWN_CONFIGS or the local Hugging Face cache
+    (local_files_only), so the estimate works on a machine that cannot reach the hub.
+    """
+    from transformers import AutoConfig
+
+    source = preset_source(name_or_path) or name_or_path
+    if source.startswith("builtin:"):
+        from grpo_cli.models import BUILTINS
+
+        name = source[len("builtin:") :]
+        if name not in BUILTINS:
+            raise UserError(
+                f"--model {name_or_path!r}: no built-in model {name!r}; built-ins are "
+                f"{', '.join('builtin:' + n for n in BUILTINS)}."
+            )
+        return AutoConfig.from_pretrained(BUILTINS[name]())
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        return _folder_config(folder, name_or_path)
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise UserError(
+            f"--model {name_or_path!r} is not an existing folder. Point it at a folder holding the "
+            "model's config.json (e.g. one written by save_pretrained), a hub id, or a preset "
+            f"({', '.join(model_presets())})."
+        )
+    if source in KNOWN_CONFIGS:
+        values = dict(KNOWN_CONFIGS[source])
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=True)
+    except Exception as exc:  # OSError (not cached), ValueError (bad id or unknown model type), ...
+        from grpo_cli.models import _hf_cache_dir
+
+        raise UserError(
+            f"the config of --model {name_or_path!r} is not available offline ({first_line(exc, 120)}): "
+            f"it is not a preset ({', '.join(model_presets())}), not a local folder, not one of the "
+            f"shipped configs ({', '.join(KNOWN_CONFIGS)}) and not in the Hugging Face cache "
+            f"({_hf_cache_dir()}). Download the model folder where the hub is reachable (huggingface-cli "
+            f"download {source} --local-dir DIR; config.json alone is enough for the estimate), copy it "
+            "here and pass --model DIR; or fix the id if it is misspelt."
+        ) from exc
+
+
+def _folder_config(folder: Path, shown: str):
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"--model {shown!r} is a folder without config.json; point it at a model folder written by "
+            "save_pretrained (or downloaded with huggingface-cli download ID --local-dir DIR)."
+        )
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # JSONDecodeError, unknown model_type, custom code, ...
+        raise UserError(
+            f"could not read the config.json of --model {shown!r}: {first_line(exc, 160)}. Fix or "
+            "re-download the file; a model with custom code (trust_remote_code) cannot be estimated."
+        ) from exc
+
+
+# --------------------------------------------------------------------------- the model's shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    total_params: int  # every parameter once (tied embeddings counted once)
+    linear_params: int  # weights and biases of the nn.Linear / Conv1D layers bar the output head
+    linear_layers: tuple[tuple[int, int], ...]  # (in_features, out_features) of those layers
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def linear_weight_params(self) -> int:
+        """The linear layers' weight matrices: what 4-bit quantization stores in NF4."""
+        return sum(i * o for i, o in self.linear_layers)
+
+
+def model_shape(config) -> ModelShape:
+    """Exact parameter counts from the model built on the meta device (no memory, no weights).
+
+    Counting the built modules, not a formula, keeps every architecture's biases, norms, tied heads
+    and extra projections right; the linear layers are the ones PEFT's target_modules="all-linear"
+    adapts: nn.Linear and transformers' Conv1D (GPT-2), bar the output head.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # an architecture without a causal-LM class, custom code, a bad config
+        raise UserError(
+            f"cannot build a causal LM from the {getattr(config, 'model_type', '?')!r} config: "
+            f"{first_line(exc, 160)}. grpo-cli trains models that AutoModelForCausalLM supports."
+        ) from exc
+    head = model.get_output_embeddings()
+    layers, linear_params = [], 0
+    for module in model.modules():
+        if module is head:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            layers.append((module.in_features, module.out_features))
+        elif isinstance(module, Conv1D):
+            layers.append((module.weight.shape[0], module.nf))  # weight [in, out]
+        else:
+            continue
+        linear_params += sum(p.numel() for p in module.parameters(recurse=False))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    inter = next(
+        (getattr(text, k) for k in ("intermediate_size", "ffn_dim", "n_inner") if getattr(text, k, None)),
+        4 * hidden,
+    )
+    return ModelShape(
+        model_type=str(getattr(config, "model_type", "?")),
+        total_params=sum(p.numel() for p in model.parameters()),  # parameters() skips tied duplicates
+        linear_params=linear_params,
+        linear_layers=tuple(layers),
+        num_layers=int(text.num_hidden_layers),
+        hidden_size=hidden,
+        intermediate_size=int(inter),
+        vocab_size=int(text.vocab_size),
+        num_heads=heads,
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+    )
+
+
+def lora_parameters(shape: ModelShape, r: int) -> int:
+    """Trainable parameters of LoRA rank r on every linear layer: A [r, in] and B [out, r] each."""
+    return sum(r * (i + o) for i, o in shape.linear_layers)
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes of one training run, by what holds them (all ints, bytes)."""
+
+    method: str
+    weights: int
+    gradients: int
+    optimizer: int
+    reference: int
+    activations: int
+    runtime: int
+    gradient_checkpointing: bool = False
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights + self.gradients + self.optimizer + self.reference + self.activations + self.runtime
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def activation_bytes(precision: str) -> int:
+    """Bytes of one activation: fp32 without autocast, 2 under bf16/fp16 autocast."""
+    return FP32_BYTES if precision == "fp32" else HALF_BYTES
+
+
+def _layer_activation_bytes_per_token(shape: ModelShape, act_bytes: int) -> int:
+    """What one decoder layer keeps for backward per token (the C_H / C_I model)."""
+    return act_bytes * (C_H * shape.hidden_size + C_I * shape.intermediate_size)
+
+
+def _logits_bytes(rows: int, completion_length: int, vocab_size: int) -> int:
+    """The fp32 completion logits of a micro-batch, LOGITS_COPIES times (logits, tempered, grad)."""
+    return rows * completion_length * vocab_size * FP32_BYTES * LOGITS_COPIES
+
+
+def _runtime_bytes(device_type: str) -> int:
+    return CUDA_RUNTIME_BYTES if device_type == "cuda" else CPU_RUNTIME_BYTES
+
+
+def training_activations(
+    shape: ModelShape,
+    *,
+    precision: str,
+    prompts_per_micro_batch: int,
+    generations: int,
+    prompt_length: int,
+    completion_length: int,
+    gradient_checkpointing: bool,
+) -> int:
+    """Activations of one micro-batch's training forward, kept for its backward.
+
+    Each prompt runs once and its KV cache is shared by its G completions, so the tokens are
+    P*prompt + P*G*completion. With gradient checkpointing the trainer runs every row in full
+    (P*G*(prompt + completion) tokens: the shared prompt's cache would be recomputed per row), each
+    layer keeps only its input (hidden per token) and one layer at a time is recomputed in full.
+    """
+    act = activation_bytes(precision)
+    tokens = prompts_per_micro_batch * (prompt_length + generations * completion_length)
+    if gradient_checkpointing:
+        tokens = prompts_per_micro_batch * generations * (prompt_length + completion_length)
+    full_layer = tokens * _layer_activation_bytes_per_token(shape, act)
+    if gradient_checkpointing:
+        layers = tokens * shape.num_layers * act * shape.hidden_size + full_layer
+    else:
+        layers = shape.num_layers * full_layer
+    rows = prompts_per_micro_batch * generations
+    return layers + _logits_bytes(rows, completion_length, shape.vocab_size)
+
+
+def sampling_kv_cache(
+    shape: ModelShape, *, precision: str, rows: int, prompt_length: int, completion_length: int
+) -> int:
+    """The sampler's KV cache at its longest: keys and values of every layer for every row."""
+    per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.num_layers * activation_bytes(precision)
+    return rows * (prompt_length + completion_length) * per_token
+
+
+def estimate(
+    shape: ModelShape,
+    *,
+    method: str,
+    lora_r: int = 16,
+    precision: str = "fp32",
+    beta: float = 0.0,
+    prompts_per_micro_batch: int = 1,
+    generations: int = 8,
+    prompt_length: int = 256,
+    completion_length: int = 16,
+    device_type: str = "cpu",
+    gradient_checkpointing: bool = False,
+    prompts_per_sampling_batch: int | None = None,
+) -> MemoryEstimate:
+    """Peak memory of training `shape` with `method`, counted as the trainer stores things.
+
+    full: fp32 master weights (4 B/param; bf16/fp16 only autocast the forward), fp32 gradients (4),
+      AdamW's two fp32 moments (8); with beta > 0 the reference model is a second fp32 copy (4).
+    lora: the frozen base in fp32 (4 B/param) with precision fp32, else in bf16/fp16 (2); the
+      adapters (lora_parameters) train in fp32: 4 + 4 grads + 8 AdamW = 16 B each; the reference
+      is the same model with its adapters disabled (0).
+    qlora (CUDA only): the linear layers' weight matrices in NF4 with double quantization (~0.52 B
+      each), everything else (embeddings, norms, biases, output head) in bf16 (2); adapters as LoRA.
+    activations: the larger of the training phase (one micro-batch's forward kept for backward,
+      plus its logits) and the sampling phase (the KV cache of prompts_per_sampling_batch prompts x
+      G completions; the trainer samples a whole step at once, default: one micro-batch). They do
+      not coexist: the sampler's cache is freed before the training forward.
+    runtime: CPU_RUNTIME_BYTES, or CUDA_RUNTIME_BYTES on a GPU.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    n = shape.total_params
+    if method == "full":
+        weights, trainable = FP32_BYTES * n, n
+        reference = FP32_BYTES * n if beta > 0 else 0
+    else:
+        trainable = lora_parameters(shape, lora_r)
+        if method == "lora":
+            base = activation_bytes(precision) * n
+        else:
+            quantized = shape.linear_weight_params
+            base = int(NF4_BYTES * quantized) + HALF_BYTES * (n - quantized)
+        weights, reference = base + FP32_BYTES * trainable, 0
+    training = training_activations(
+        shape,
+        precision=precision,
+        prompts_per_micro_batch=prompts_per_micro_batch,
+        generations=generations,
+        prompt_length=prompt_length,
+        completion_length=completion_length,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    sampling = sampling_kv_cache(
+        shape,
+        precision=precision,
+        rows=(prompts_per_sampling_batch or prompts_per_micro_batch) * generations,
+        prompt_length=prompt_length,
+        completion_length=completion_length,
+    )
+    return MemoryEstimate(
+        method=method,
+        weights=weights,
+        gradients=FP32_BYTES * trainable,
+        optimizer=ADAMW_STATE_BYTES * trainable,
+        reference=reference,
+        activations=max(int(training * (1 + ALLOCATOR_SLACK.get(device_type, 0.0))), sampling),
+        runtime=_runtime_bytes(device_type),
+        gradient_checkpointing=gradient_checkpointing,
+    )
+
+
+# --------------------------------------------------------------------------- the recommendation
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    method: str  # full | lora | qlora | none
+    reason: str
+
+
+def fits(total: int, available_bytes: int) -> bool:
+    """Whether `total` bytes plus HEADROOM of them fit: estimates are rough, allocators fragment."""
+    return total * (1 + HEADROOM) <= available_bytes
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def recommend(
+    estimates: Iterable[MemoryEstimate] | Mapping[str, MemoryEstimate], available_bytes: int, cuda: bool
+) -> Recommendation:
+    """The cheapest-to-run method that fits: full fine-tuning (best results, no adapter to merge),
+    else LoRA, else QLoRA (CUDA only: bitsandbytes' 4-bit kernels), else none, with what to change."""
+    by_method = {e.method: e for e in (estimates.values() if isinstance(estimates, Mapping) else estimates)}
+    have = _gib(available_bytes)
+    full, lora, qlora = (by_method.get(m) for m in METHODS)
+    if full and fits(full.total, available_bytes):
+        return Recommendation("full", f"full fine-tuning needs ~{_gib(full.total)} of {have}.")
+    tried = [f"{e.method} ~{_gib(e.total)}" for e in (full, lora) if e]
+    if lora and fits(lora.total, available_bytes):
+        return Recommendation(
+            "lora",
+            f"full fine-tuning needs ~{_gib(full.total) if full else '?'} (+{HEADROOM:.0%} headroom), more "
+            f"than {have}; LoRA needs ~{_gib(lora.total)}.",
+        )
+    if cuda and qlora and fits(qlora.total, available_bytes):
+        return Recommendation(
+            "qlora",
+            f"neither fits in {have} ({', '.join(tried)}); QLoRA needs ~{_gib(qlora.total)} "
+            "(pip install 'grpo-cli[qlora]').",
+        )
+    if cuda and qlora:
+        tried.append(f"qlora ~{_gib(qlora.total)}")
+        gpu = ""
+    else:
+        gpu = " QLoRA needs a CUDA GPU (bitsandbytes' 4-bit kernels), so it is no option here."
+    checkpointing = all(e.gradient_checkpointing for e in by_method.values())
+    advice = "lower trainer.prompts_per_step or raise trainer.gradient_accumulation_steps"
+    advice += ", shorten sampler.max_new_tokens / sampler.max_prompt_length"
+    if not checkpointing:
+        advice += ", set trainer.gradient_checkpointing=true"
+    return Recommendation(
+        "none",
+        f"nothing fits in {have} with {HEADROOM:.0%} headroom ({', '.join(tried)}).{gpu} To fit: {advice}; "
+        "or train a smaller model.",
+    )

@@ -1,0 +1,266 @@
+"""grpo_cli.memory and `grpo-check-env --model`: exact parameter counts from the config alone, the
+byte accounting of full fine-tuning / LoRA / QLoRA, the recommendation, and the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+from grpo_cli import memory
+from grpo_cli.cli import check_env
+from grpo_cli.errors import UserError
+
+GIB = 2**30
+
+
+def small_configs():
+    return {
+        "llama-tied": LlamaConfig(
+            vocab_size=101,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+        "qwen2-untied": Qwen2Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+        ),
+        "gpt2-conv1d": GPT2Config(vocab_size=89, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    }
+
+
+def real_model(config):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", list(small_configs()))
+def test_parameter_count_is_exact(name):
+    config = small_configs()[name]
+    model = real_model(config)
+    shape = memory.model_shape(config)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())  # tied weights once
+    assert (shape.hidden_size, shape.vocab_size) not in shape.linear_layers  # the output head is not adapted
+    assert shape.linear_params == sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+        if m is not model.get_output_embeddings()
+        for p in m.parameters(recurse=False)
+    )
+
+
+@pytest.mark.parametrize("name", list(small_configs()))
+def test_lora_parameters_equal_peft_trainable_parameters(name):
+    from peft import LoraConfig, get_peft_model
+
+    config = small_configs()[name]
+    peft_model = get_peft_model(
+        real_model(config), LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=name == "gpt2-conv1d")
+    )
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert memory.lora_parameters(memory.model_shape(config), 4) == trainable
+
+
+@pytest.mark.parametrize(
+    "model, total, layers, kv_heads, head_dim",
+    [
+        ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768, 24, 2, 64),
+        ("Qwen/Qwen2.5-1.5B-Instruct", 1_543_714_304, 28, 2, 128),
+        ("Qwen/Qwen2.5-7B-Instruct", 7_615_616_512, 28, 4, 128),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", 134_515_008, 30, 3, 64),
+        ("qwen0.5b", 494_032_768, 24, 2, 64),  # a conf/model preset name
+        ("smollm2-135m", 134_515_008, 30, 3, 64),
+    ],
+)
+def test_known_configs_give_the_real_parameter_counts(model, total, layers, kv_heads, head_dim):
+    shape = memory.model_shape(memory.resolve_model_config(model))
+    assert (shape.total_params, shape.num_layers, shape.num_kv_heads, shape.head_dim) == (
+        total,
+        layers,
+        kv_heads,
+        head_dim,
+    )
+
+
+def test_config_from_a_local_folder_and_the_builtin(tmp_path):
+    small_configs()["llama-tied"].save_pretrained(tmp_path)
+    assert memory.resolve_model_config(str(tmp_path)).hidden_size == 32
+    assert memory.resolve_model_config("tiny").model_type == "llama"  # builtin:tiny via the preset
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="without config.json"):
+        memory.resolve_model_config(str(empty))
+    with pytest.raises(UserError, match="not an existing folder"):
+        memory.resolve_model_config(str(tmp_path / "missing"))
+
+
+def test_unknown_hub_id_is_a_user_error_naming_it(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="nobody/not-a-model.*not available offline"):
+        memory.resolve_model_config("nobody/not-a-model")
+
+
+# A shape with round numbers, so each term can be checked by hand.
+SHAPE = memory.ModelShape(
+    model_type="test",
+    total_params=1000,
+    linear_params=800,
+    linear_layers=((10, 20), (20, 10), (10, 30)),  # 200 + 200 + 300 = 700 weights
+    num_layers=2,
+    hidden_size=10,
+    intermediate_size=20,
+    vocab_size=50,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=5,
+)
+RUN = dict(prompts_per_micro_batch=2, generations=4, prompt_length=8, completion_length=3, device_type="cpu")
+
+
+def test_weights_gradients_optimizer_and_reference_terms():
+    adapters = memory.lora_parameters(SHAPE, 2)
+    assert adapters == 2 * (30 + 30 + 40)
+    full0, full = (memory.estimate(SHAPE, method="full", lora_r=2, beta=b, **RUN) for b in (0.0, 0.04))
+    assert (full.weights, full.gradients, full.optimizer, full.reference) == (4000, 4000, 8000, 4000)
+    assert full0.reference == 0 and full.total - full0.total == 4000
+    for method, base in (("lora", 4 * 1000), ("qlora", int(0.52 * 700) + 2 * 300)):
+        e0, e = (memory.estimate(SHAPE, method=method, lora_r=2, beta=b, **RUN) for b in (0.0, 0.04))
+        assert e0 == e  # beta needs no second copy: the reference is the adapters-disabled model
+        assert (e.weights, e.gradients, e.optimizer, e.reference) == (
+            base + 4 * adapters,
+            4 * adapters,
+            8 * 200,
+            0,
+        )
+        assert e.total < full0.total
+    bf16 = memory.estimate(SHAPE, method="lora", lora_r=2, precision="bf16", **RUN)
+    assert bf16.weights == 2 * 1000 + 4 * adapters  # the frozen base in bf16, the adapters in fp32
+
+
+def test_activation_terms():
+    act_fp32 = 4 * (memory.C_H * 10 + memory.C_I * 20)  # per token and layer
+    tokens = 2 * 8 + 2 * 4 * 3  # each prompt once, then its 4 completions
+    logits = 2 * 4 * 3 * 50 * 4 * memory.LOGITS_COPIES
+    slack = 1 + memory.ALLOCATOR_SLACK["cpu"]
+    e = memory.estimate(SHAPE, method="full", **RUN)
+    assert e.activations == int((tokens * 2 * act_fp32 + logits) * slack)
+    assert e.runtime == memory.CPU_RUNTIME_BYTES
+    ckpt = memory.estimate(SHAPE, method="full", gradient_checkpointing=True, **RUN)
+    rows_tokens = 2 * 4 * (8 + 3)  # checkpointing runs every row in full (no shared prompt)
+    assert ckpt.activations == int((rows_tokens * 2 * 4 * 10 + rows_tokens * act_fp32 + logits) * slack)
+    bf16 = memory.estimate(SHAPE, method="full", precision="bf16", **RUN)
+    assert bf16.activations == int((tokens * 2 * act_fp32 // 2 + logits) * slack)  # logits stay fp32
+    cuda = memory.estimate(SHAPE, method="full", **{**RUN, "device_type": "cuda"})
+    assert cuda.runtime == memory.CUDA_RUNTIME_BYTES
+    assert cuda.activations == int((tokens * 2 * act_fp32 + logits) * (1 + memory.ALLOCATOR_SLACK["cuda"]))
+
+
+def test_activations_are_the_larger_of_training_and_sampling_not_the_sum():
+    kv = 64 * 4 * (8 + 3) * 2 * 1 * 5 * 2 * 4  # rows * tokens * (k, v) * kv heads * head_dim * layers * 4 B
+    e = memory.estimate(SHAPE, method="full", prompts_per_sampling_batch=64, **RUN)
+    assert (
+        e.activations
+        == kv
+        == memory.sampling_kv_cache(SHAPE, precision="fp32", rows=256, prompt_length=8, completion_length=3)
+    )
+    assert memory.estimate(SHAPE, method="full", **RUN).activations > memory.sampling_kv_cache(
+        SHAPE, precision="fp32", rows=8, prompt_length=8, completion_length=3
+    )
+
+
+def estimates(full, lora, qlora, checkpointing=False):
+    return [
+        memory.MemoryEstimate(m, int(t * GIB), 0, 0, 0, 0, 0, checkpointing)
+        for m, t in (("full", full), ("lora", lora), ("qlora", qlora))
+    ]
+
+
+@pytest.mark.parametrize(
+    "totals, available_gib, cuda, expected",
+    [
+        ((10, 6, 3), 12, False, "full"),
+        ((10, 6, 3), 10.5, False, "lora"),  # 10 GiB + 10% headroom does not fit in 10.5
+        ((10, 6, 3), 10.5, True, "lora"),
+        ((10, 6, 3), 5, True, "qlora"),
+        ((10, 6, 3), 5, False, "none"),  # QLoRA needs a CUDA GPU
+        ((10, 6, 3), 3.2, True, "none"),
+    ],
+)
+def test_recommend(totals, available_gib, cuda, expected):
+    rec = memory.recommend(estimates(*totals), int(available_gib * GIB), cuda)
+    assert rec.method == expected
+    if expected == "none":
+        assert "trainer.gradient_checkpointing=true" in rec.reason and "smaller model" in rec.reason
+        assert ("CUDA GPU" in rec.reason) is (not cuda)
+
+
+def test_recommend_leaves_out_checkpointing_advice_when_it_is_on():
+    rec = memory.recommend(estimates(10, 6, 3, checkpointing=True), 1 * GIB, True)
+    assert rec.method == "none" and "gradient_checkpointing" not in rec.reason
+
+
+def test_check_env_without_model_is_unchanged(capsys):
+    assert check_env.main([]) == 0
+    out = capsys.readouterr().out
+    assert "grpo-cli environment report" in out and "memory estimate" not in out
+
+
+def test_check_env_prints_the_estimate_table(capsys):
+    assert check_env.main(["--model", "tiny", "--memory-gib", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo-cli environment report" in out  # the existing report comes first
+    header = next(line for line in out.splitlines() if line.strip().startswith("method"))
+    assert (
+        header.split() == "method weights grads optimizer reference activations runtime total fits?".split()
+    )
+    assert "64.00 GiB (--memory-gib)" in out and "recommended: full" in out
+    assert "LoRA r=16" in out
+
+
+def test_check_env_json_holds_the_estimate_and_applies_overrides(capsys):
+    args = ["--model", "tiny", "--memory-gib", "64", "--json", "--lora-r", "4"]
+    overrides = ["loss.beta=0.04", "trainer.prompts_per_step=8", "trainer.gradient_accumulation_steps=2"]
+    assert check_env.main(args + overrides) == 0
+    est = json.loads(capsys.readouterr().out)["memory_estimate"]
+    assert est["name_or_path"] == "builtin:tiny" and est["recommended"]["method"] == "full"
+    assert est["settings"]["prompts_per_micro_batch"] == 4 and est["settings"]["beta"] == 0.04
+    assert est["methods"]["full"]["reference"] == 4 * est["params"]["total"]
+    shape = memory.model_shape(memory.resolve_model_config("tiny"))
+    assert est["params"]["lora_adapters"] == memory.lora_parameters(shape, 4)
+    assert est["available_bytes"] == 64 * GIB
+
+
+def test_check_env_unknown_model_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        check_env.main(["--model", "nobody/not-a-model"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-check-env: ") and "nobody/not-a-model" in err and "--model DIR" in err
+
+
+def test_check_env_plans_for_a_gpu_from_a_cpu_machine(capsys, monkeypatch):
+    """trainer.device=cuda on a machine without one: the estimate for a bf16 GPU of --memory-gib,
+    which recommends LoRA for Qwen2.5-1.5B on 24 GiB and QLoRA for 7B."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for model, expected in (("qwen1.5b", "lora"), ("Qwen/Qwen2.5-7B-Instruct", "qlora")):
+        args = ["--model", model, "--memory-gib", "24", "--json", "trainer.device=cuda", "loss.beta=0.04"]
+        assert check_env.main(args) == 0
+        est = json.loads(capsys.readouterr().out)["memory_estimate"]
+        assert est["settings"]["device_type"] == "cuda" and est["settings"]["precision"] == "bf16"
+        assert est["recommended"]["method"] == expected
+        assert est["methods"]["lora"]["reference"] == 0 < est["methods"]["full"]["reference"]
+    assert check_env.main(["--model", "qwen1.5b", "--json", "trainer.device=cuda"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_estimate"]["recommended"]["method"] == "unknown"
