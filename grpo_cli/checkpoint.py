@@ -161,7 +161,10 @@ def save_checkpoint(
     try:
         root.mkdir(parents=True, exist_ok=True)
         clean_partial(run_dir)
-        model.save_pretrained(tmp, safe_serialization=True)
+        # save_embedding_layers=False: PEFT's "auto" would ask the hub about the base model on
+        # every save (no embedding layer is adapted here).
+        extra = {"save_embedding_layers": False} if type(model).__module__.startswith("peft.") else {}
+        model.save_pretrained(tmp, safe_serialization=True, **extra)
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
