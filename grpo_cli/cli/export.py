@@ -59,7 +59,9 @@ def export(checkpoint: str, output: str, *, dtype: str = "fp32", log=print) -> P
         os.replace(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write {out}: {first_line(exc)}; free disk space or pick another folder.") from exc
+        raise UserError(
+            f"could not write {out}: {first_line(exc)}; free disk space or pick another folder."
+        ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
