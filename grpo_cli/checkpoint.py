@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from grpo_cli.adapters import ADAPTER_FILES, is_adapted
 from grpo_cli.errors import UserError, first_line
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -38,7 +39,6 @@ FORMAT_VERSION = 1
 # adapter_model.safetensors, which load onto the base model of config.yaml's model section).
 REQUIRED_FILES = ("config.yaml", "optimizer.pt", "scheduler.pt", "trainer_state.pt")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # The keys that define the weights a checkpoint continues (the model, and the shape of its
 # adapters): they may not change on resume. Everything else may (with a note that the run no
 # longer reproduces exactly).
@@ -163,7 +163,7 @@ def save_checkpoint(
         clean_partial(run_dir)
         # save_embedding_layers=False: PEFT's "auto" would ask the hub about the base model on
         # every save (no embedding layer is adapted here).
-        extra = {"save_embedding_layers": False} if type(model).__module__.startswith("peft.") else {}
+        extra = {"save_embedding_layers": False} if is_adapted(model) else {}
         model.save_pretrained(tmp, safe_serialization=True, **extra)
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")

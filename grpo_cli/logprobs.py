@@ -18,7 +18,9 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def forward_model(model):
     """The transformers model that runs the forward: a PEFT model's wrapped model (its LoRA layers
     are injected in place, so the adapters run), whose own signature decides the keywords below."""
-    return model.get_base_model() if type(model).__module__.startswith("peft.") else model
+    from grpo_cli.adapters import is_adapted
+
+    return model.get_base_model() if is_adapted(model) else model
 
 
 def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch.Tensor:

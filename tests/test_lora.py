@@ -171,7 +171,6 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(compose, tmp_
     held = {id(p) for group in parts.optimizer.param_groups for p in group["params"]}
     assert held == {id(p) for n, p in policy.named_parameters() if n in adapter_names}
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    rows = []
     train(cfg, parts, tmp_path, "{}", on_start=None)
     rows = read_metrics(tmp_path)
     after = dict(policy.named_parameters())
@@ -268,7 +267,6 @@ def test_lora_on_a_bf16_base_keeps_fp32_adapters_and_trains(compose, tmp_path):
 
 @pytest.mark.parametrize("extra", [["trainer.dynamic_sampling=true"], ["trainer.num_iterations=2"]])
 def test_training_with_adapters_runs_the_self_check_and_moves_the_adapters(compose, tmp_path, extra, capsys):
-    rows_before = None
     cfg = compose(
         TINY + LORA + SIGNAL + ["loss.beta=0.04", "trainer.max_steps=2", "trainer.quiet=false"] + extra
     )
@@ -276,7 +274,7 @@ def test_training_with_adapters_runs_the_self_check_and_moves_the_adapters(compo
     out = capsys.readouterr().out
     assert "self-check ok" in out and "adapter: LoRA r=4" in out
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2] and rows_before is None
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(v == v for r in rows for v in r.values() if isinstance(v, float))  # finite, no NaN
     assert last["kl"] > 0  # the adapters moved the policy away from the reference
 
