@@ -20,7 +20,9 @@ from grpo_cli import checkpoint as ckpt
 from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
 from grpo_cli.config import Config, DataConfig, SamplerConfig
 from grpo_cli.data import Example, PromptStream, build_prompts, read_rows
+from grpo_cli.distributed import Dist, wrap_scorer
 from grpo_cli.errors import UserError, first_line
+from grpo_cli.logprobs import TokenLogprobs
 from grpo_cli.models import (
     TESTED_MODEL_TYPES,
     ModelSource,
@@ -215,15 +217,23 @@ class Parts:
     total_steps: int
     state: ckpt.TrainerState  # where the run starts (step 0, or the resumed checkpoint's)
     resumed_from: Path | None
+    # The training forward (logprobs.TokenLogprobs on the policy; under W processes wrapped in
+    # DDP, which all-reduces the gradients) and this process's place among the ranks.
+    scorer: Any = None
+    dist: Dist = Dist()
 
 
-def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
+def build_training(cfg: Config, run_dir: Path, console, d: Dist = Dist()) -> Parts | None:
     """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
     to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
-    resume already ends the run (nothing to do; said on stderr)."""
+    resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
     t, s = cfg.trainer, cfg.sampler
     rewards = build_rewards(cfg.reward)
     device = resolve_device(t.device)
+    if d.enabled and device.type == "cuda":  # one GPU per process
+        import torch
+
+        device = torch.device("cuda", d.local_rank)
     precision = resolve_precision(t.precision, device)
     check_quantization(cfg.adapter.quantization, device)
     resume_from = loaded = None
@@ -255,12 +265,13 @@ def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
     total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
     state = loaded[0] if loaded else ckpt.TrainerState()
     if loaded and state.step == total_steps:
-        print(
-            f"grpo-train: the run is already complete ({resume_from} is step {total_steps} of {total_steps}); "
-            "nothing was changed. Raise trainer.max_steps to train further.",
-            file=sys.stderr,
-            flush=True,
-        )
+        if d.is_main:
+            print(
+                f"grpo-train: the run is already complete ({resume_from} is step {total_steps} of {total_steps}); "
+                "nothing was changed. Raise trainer.max_steps to train further.",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
     if state.step > total_steps:
         raise UserError(
@@ -310,6 +321,12 @@ def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
                 "model and optimizer settings, or start a new run."
             ) from exc
         console.print(f"resumed from {resume_from} at step {state.step}")
+        if state.world_size != d.world_size:
+            console.print(
+                f"[yellow]the checkpoint was written by {state.world_size} process(es), this run has "
+                f"{d.world_size}: it continues (the completions do not depend on the number of processes), "
+                "but the micro-batches' order and float sums differ from an uninterrupted run's.[/]"
+            )
         if changed:
             console.print(
                 "[yellow]settings differ from the checkpoint's (allowed; later steps will not "
@@ -339,4 +356,6 @@ def build_training(cfg: Config, run_dir: Path, console) -> Parts | None:
         total_steps=total_steps,
         state=state,
         resumed_from=resume_from,
+        scorer=wrap_scorer(TokenLogprobs(policy, temperature=s.temperature, shared_prompt=fast_paths), d, device),
+        dist=d,
     )

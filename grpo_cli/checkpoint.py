@@ -75,6 +75,9 @@ class TrainerState:
     bad_log: list[str] = field(default_factory=list)
     last_good_step: int = 0
     rng: dict[str, Any] | None = None  # every RNG's state, as of the save (restore_rng_state)
+    # Every rank's RNG states (rng is rank 0's), and how many processes wrote the checkpoint.
+    rng_ranks: list[dict[str, Any]] | None = None
+    world_size: int = 1
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -83,7 +86,14 @@ class TrainerState:
         state.bad_steps = int(data.get("bad_steps", 0))
         state.bad_log = list(data.get("bad_log", []))
         state.last_good_step = int(data.get("last_good_step", state.step))
+        state.rng_ranks = data.get("rng_ranks") or [state.rng]
+        state.world_size = int(data.get("world_size", 1))
         return state
+
+    def rng_of(self, rank: int) -> dict[str, Any] | None:
+        """The RNG states rank `rank` saved (rank 0's when the checkpoint had fewer ranks)."""
+        ranks = self.rng_ranks or [self.rng]
+        return ranks[rank] if rank < len(ranks) else ranks[0]
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -151,9 +161,12 @@ def save_checkpoint(
     scheduler,
     config_yaml: str,
     keep_last: int,
+    rng_ranks: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Checkpoint `step-<state.step>`: the model, tokenizer, optimizer, scheduler, config and
-    `state` with every RNG's current state."""
+    `state` with every RNG's current state (rng_ranks: every rank's, gathered; default this
+    process's)."""
+    rng_ranks = rng_ranks or [rng_state()]
     step = state.step
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step:06d}"
@@ -170,7 +183,14 @@ def save_checkpoint(
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         # Written last: a folder holding trainer_state.pt holds everything else.
-        torch.save({**asdict(state), "format": FORMAT_VERSION, "rng": rng_state()}, tmp / "trainer_state.pt")
+        record = {
+            **asdict(state),
+            "format": FORMAT_VERSION,
+            "rng": rng_ranks[0],
+            "rng_ranks": rng_ranks,
+            "world_size": len(rng_ranks),
+        }
+        torch.save(record, tmp / "trainer_state.pt")
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step: move the old one aside, never delete in place
             trash = root / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"

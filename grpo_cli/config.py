@@ -177,6 +177,16 @@ class TrainerConfig:
     # Where metrics go: jsonl (metrics.jsonl, always: plots, summaries and resume read it) and
     # optionally tensorboard (<run folder>/tensorboard; needs pip install 'grpo-cli[tensorboard]').
     report_to: List[str] = field(default_factory=lambda: ["jsonl"])
+    # Data-parallel processes on this machine (grpo_cli/distributed.py): 1 runs in this process;
+    # N > 1 starts N workers through torchrun's launcher (one GPU each, or gloo on the CPU).
+    # Under torchrun itself, WORLD_SIZE decides and this stays 1.
+    num_processes: int = 1
+    # ddp: every rank holds the whole model (DistributedDataParallel averages gradients); fsdp:
+    # parameters, gradients and optimizer state are sharded over the ranks (FSDP2 fully_shard).
+    distributed: str = "ddp"  # ddp | fsdp
+    # Seconds any collective may wait for the other ranks before the run stops with an error
+    # (a dead or stuck rank), and that Ctrl-C gives the workers to finish their step and save.
+    distributed_timeout: int = 1800
 
 
 @dataclass
@@ -215,7 +225,7 @@ def to_typed(cfg: Any) -> Config:
 def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each option, from the module that implements it (imported here, not
     at the top, so that a bad command line is answered before torch is imported)."""
-    from grpo_cli import adapters, loss
+    from grpo_cli import adapters, distributed, loss
     from grpo_cli.data import LONG_PROMPT_RULES, SOURCES
     from grpo_cli.optim import LR_SCHEDULERS, OPTIMIZERS
     from grpo_cli.precision import PRECISIONS
@@ -237,6 +247,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "adapter.name": adapters.ADAPTERS,
         "adapter.init": adapters.LORA_INITS,
         "adapter.quantization": adapters.QUANTIZATIONS,
+        "trainer.distributed": distributed.MODES,
     }
 
 
@@ -253,6 +264,8 @@ POSITIVE_INTS = (
     "trainer.max_sampling_tries",
     "trainer.keep_last",
     "trainer.max_bad_steps",
+    "trainer.num_processes",
+    "trainer.distributed_timeout",
     "data.num_examples",
     "data.max_operand",
     "adapter.r",
@@ -331,17 +344,29 @@ def validate(cfg: Any) -> list[str]:
             problems.append(f"optimizer.{key}={opt[key]} must be in [0, 1).")
 
     # Micro-batches hold whole groups: the rows of one prompt's G completions stay together
-    # (ref 004: "batch size must be a multiple of num_generations"), so each micro-batch is
-    # prompts_per_step / gradient_accumulation_steps prompts.
+    # (ref 004: "batch size must be a multiple of num_generations"). With W processes each rank
+    # trains on prompts_per_step / W prompts in gradient_accumulation_steps micro-batches.
     P, A = tr.prompts_per_step, tr.gradient_accumulation_steps
-    if P >= 1 and A >= 1 and P % A != 0:
-        problems.append(
-            f"trainer.prompts_per_step={P} is not divisible by trainer.gradient_accumulation_steps={A}: "
-            f"each micro-batch must hold whole groups of sampler.num_generations={G} completions, "
-            f"i.e. {P}*{G}={P * G} completions cannot split into {A} micro-batches of whole groups. "
-            f"Set gradient_accumulation_steps to a divisor of {P} (e.g. 1) or prompts_per_step to a "
-            f"multiple of {A}."
-        )
+    problems.extend(_validate_processes(tr, G))
+    W = _world_size(tr)
+    if P >= 1 and A >= 1 and W >= 1 and P % (A * W) != 0:
+        if W == 1:
+            problems.append(
+                f"trainer.prompts_per_step={P} is not divisible by trainer.gradient_accumulation_steps={A}: "
+                f"each micro-batch must hold whole groups of sampler.num_generations={G} completions, "
+                f"i.e. {P}*{G}={P * G} completions cannot split into {A} micro-batches of whole groups. "
+                f"Set gradient_accumulation_steps to a divisor of {P} (e.g. 1) or prompts_per_step to a "
+                f"multiple of {A}."
+            )
+        else:
+            problems.append(
+                f"trainer.prompts_per_step={P} cannot be shared by {W} processes with "
+                f"trainer.gradient_accumulation_steps={A}: each process trains on whole groups of "
+                f"sampler.num_generations={G} completions, prompts_per_step / processes of them, in "
+                f"{A} micro-batches, so prompts_per_step must be a multiple of {A}*{W}={A * W}. Set "
+                f"trainer.prompts_per_step={max(A * W, (P // (A * W) + 1) * A * W)} (or another multiple of "
+                f"{A * W}), or use fewer processes or accumulation steps."
+            )
     if tr.device not in ("auto", "cpu", "cuda") and not str(tr.device).startswith("cuda:"):
         problems.append(f"trainer.device={tr.device!r} must be auto, cpu, cuda or cuda:N.")
     if tr.resume not in (None, "auto") and not str(tr.resume).strip():
@@ -369,6 +394,32 @@ def validate(cfg: Any) -> list[str]:
 
     problems.extend(_validate_adapter(cfg.adapter, tr))
     problems.extend(_validate_rewards(cfg.reward))
+    return problems
+
+
+def _world_size(tr: Any) -> int:
+    """The processes that will share each step: trainer.num_processes, or torchrun's WORLD_SIZE."""
+    from grpo_cli.distributed import launched_world_size
+
+    return tr.num_processes if tr.num_processes > 1 else launched_world_size()
+
+
+def _validate_processes(tr: Any, G: int) -> list[str]:
+    from grpo_cli.distributed import launched_world_size
+
+    problems = []
+    launched, W = launched_world_size(), _world_size(tr)
+    if launched > 1 and tr.num_processes > 1 and tr.num_processes != launched:
+        problems.append(
+            f"trainer.num_processes={tr.num_processes}, but this process was started by torchrun with "
+            f"WORLD_SIZE={launched}: under torchrun the number of processes is torchrun's "
+            f"(--nproc_per_node, --nnodes); drop trainer.num_processes (or set it to {launched})."
+        )
+    if tr.distributed == "fsdp" and W < 2:
+        problems.append(
+            "trainer.distributed=fsdp shards the model over several processes, but this run has one; "
+            "set trainer.num_processes=2 (or more), launch with torchrun, or use trainer.distributed=ddp."
+        )
     return problems
 
 

@@ -15,7 +15,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,10 @@ from grpo_cli import guards, selfcheck
 from grpo_cli.adapters import disabled_adapters
 from grpo_cli.build import Parts, sampler_kwargs
 from grpo_cli.config import Config
+from grpo_cli.distributed import gradient_sync, prompt_seed, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
 from grpo_cli.evaluate import evaluate, score_examples
-from grpo_cli.logprobs import token_logprobs
+from grpo_cli.logprobs import TokenLogprobs, token_logprobs
 from grpo_cli.loss import (
     group_advantages,
     grpo_loss,
@@ -88,9 +89,11 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         parts.scheduler,
         parts.state,
     )
-    device, precision, G = parts.device, parts.precision, s.num_generations
+    device, precision, G, d = parts.device, parts.precision, s.num_generations, parts.dist
     # What the optimizer updates, grad clipping and grad_norm cover: every weight, or the adapters'.
     trainable = [p for p in policy.parameters() if p.requires_grad]
+    # The training forward: token_logprobs as a module (under DDP with several processes).
+    scorer = parts.scorer or TokenLogprobs(policy, temperature=s.temperature, shared_prompt=parts.fast_paths)
     scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
     if scaler is not None and state.grad_scaler:
         scaler.load_state_dict(state.grad_scaler)
@@ -118,24 +121,32 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             return None
         state.step, state.stream = step, parts.stream.state()
         state.grad_scaler = scaler.state_dict() if scaler else {}
-        return ckpt.save_checkpoint(
-            run_dir,
-            state,
-            model=policy,
-            tokenizer=parts.tokenizer,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            config_yaml=config_yaml,
-            keep_last=t.keep_last,
-        )
+        rng_ranks = d.gather(ckpt.rng_state())  # every rank's; rank 0 writes the checkpoint
+        path = None
+        if d.is_main:
+            path = ckpt.save_checkpoint(
+                run_dir,
+                state,
+                model=policy,
+                tokenizer=parts.tokenizer,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                config_yaml=config_yaml,
+                keep_last=t.keep_last,
+                rng_ranks=rng_ranks,
+            )
+        return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
 
     def run_eval() -> dict[str, float]:
+        # Each rank evaluates its shard; the sums are all-reduced (d.sum).
+        mine = [parts.eval_examples[i] for i in shard(len(parts.eval_examples), d.rank, d.world_size)]
         with autocast(device, precision):
             return evaluate(
                 policy,
                 parts.tokenizer,
-                parts.eval_examples,
+                mine,
                 parts.rewards,
+                reduce=d.sum,
                 eos_ids=parts.eos_ids,
                 pad_id=parts.tokenizer.pad_token_id,
                 **sampler_kwargs(s, num_generations=1, greedy=True, fast_decode=parts.fast_paths),
@@ -144,15 +155,16 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
     if on_start is not None:
         on_start()
     if state.rng is not None:  # last, right before the first step: nothing may draw from the RNGs in between
-        ckpt.restore_rng_state(state.rng)
+        ckpt.restore_rng_state(state.rng_of(d.rank))
     log = MetricsLogger(
         run_dir,
         total_steps=parts.total_steps,
         quiet=t.quiet,
+        writer=d.is_main,  # rank 0 alone writes metrics and prints
         resume_step=start_step,
         report_to=tuple(t.report_to),
     )
-    with log, _StopFlag() as stop:
+    with log, _StopFlag(quiet=not d.is_main) as stop:
         if t.eval_before and parts.eval_examples and not parts.resumed_from:
             before = run_eval()
             log.log({"step": 0, **before})
@@ -161,7 +173,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             phase = dict.fromkeys(("rollout", "reward", "reference", "policy", "optimizer"), 0.0)
 
             # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal).
-            sampled = _sample_groups(cfg, parts, phase)
+            sampled = _sample_groups(cfg, parts, phase, step)
             if sampled.batch is None:  # dynamic sampling found no group with signal: skip the update
                 log.print(
                     f"step {step}: every sampled group was zero-std after {t.max_sampling_tries} tries; "
@@ -175,10 +187,16 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             #    step's loss normalisers; whether the step has any learning signal at all.
             norms, signal_ = _advantages(cfg, batch, device)
 
-            # 3. Micro-batches of whole groups; reference log-probs once per rollout (beta > 0).
+            # 3. Micro-batches of whole groups (this rank's shard of them, distributed.py);
+            #    reference log-probs once per rollout (beta > 0).
+            mine = shard(batch.rewards.shape[0] // G, d.rank, d.world_size)
             micro_rows = _micro_batches(
-                batch.rewards.shape[0] // G, G, t.prompts_per_step // t.gradient_accumulation_steps
+                mine, G, t.prompts_per_step // (t.gradient_accumulation_steps * d.world_size)
             )
+            # A rank left without groups (dynamic sampling kept fewer groups than processes) still
+            # takes part in DDP's gradient all-reduce: one group at weight 0.
+            idle = not micro_rows
+            micro_rows = micro_rows or [torch.arange(G)]
             tick = time.perf_counter()
             if ref is not None:
                 with disabled_adapters(
@@ -205,19 +223,19 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 loss_total = 0.0
                 updates.new_iteration()
                 tick = time.perf_counter()
-                for k in order:
+                for n, k in enumerate(order):
                     rows = micro_rows[k]
                     mb = batch.rows(rows)
                     C = mb.completion_ids.shape[1]
-                    with autocast(device, precision):
-                        logps, entropy = token_logprobs(
-                            policy,
-                            *mb.inputs(),
-                            temperature=s.temperature,
-                            with_entropy=True,
-                            shared_prompt=parts.fast_paths,
-                        )
+                    # Several processes: DDP all-reduces the gradients in the last backward only.
+                    last = n == len(order) - 1
+                    with gradient_sync(scorer, last), autocast(device, precision):
+                        logps, entropy = scorer(*mb.inputs())  # token_logprobs, [b, C] each
                     logps = logps.float()  # [b, C]
+                    if idle:
+                        with gradient_sync(scorer, last):
+                            (logps.nan_to_num().sum() * 0.0).backward()  # zero gradients, all-reduced
+                        continue
                     if iteration == 0:
                         old = logps.detach()  # [b, C]
                         if old_logps is not None:
@@ -237,7 +255,10 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     loss, stats = _loss(
                         cfg, logps, old, mb, norms, None if is_weights is None else is_weights[rows, :C]
                     )
-                    (scaler.scale(loss) if scaler else loss).backward()
+                    # DDP averages the ranks' gradients: times W, their sum is the one-process gradient.
+                    scaled = loss * d.world_size if d.enabled else loss
+                    with gradient_sync(scorer, last):
+                        (scaler.scale(scaled) if scaler else scaled).backward()
                     loss_total += float(loss.detach())
                     updates.add(stats, entropy, mb.completion_mask)
                 if iteration == 0 and check is not None:
@@ -249,6 +270,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 #    does a step without learning signal (ref 002): its gradient is 0, but AdamW's
                 #    momentum and weight decay would still move the weights.
                 tick = time.perf_counter()
+                loss_total = d.sum([loss_total])[0]  # the step's loss: every rank decides alike
                 if scaler:
                     scaler.unscale_(optimizer)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.max_grad_norm))
@@ -278,6 +300,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 diverged(step)
 
             # 6. Metrics (TRL's names), eval, checkpoint.
+            updates.all_reduce(d)
             row = step_row(
                 step, batch, sampled, updates, t.num_iterations, scheduler.get_last_lr()[0], t0, phase
             )
@@ -294,7 +317,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             else:
                 log.advance(step)
             last_row = row
-            if stop.requested and step != parts.total_steps:  # (on the last step: finish normally)
+            # (On the last step: finish normally.) Every rank stops at the same step.
+            if d.any(stop.requested) and step != parts.total_steps:
                 _stop_requested(stop, step, parts.total_steps, save, run_dir, resume_hint, log)
             if step % t.save_steps == 0 and step != parts.total_steps:
                 save(step)
@@ -369,11 +393,12 @@ def _advantages(cfg: Config, batch: Rollout, device) -> tuple[tuple[int, int], b
     return norms, signal
 
 
-def _micro_batches(groups: int, G: int, prompts_per_micro_batch: int) -> list[torch.Tensor]:
-    """Row indices of each micro-batch: whole groups of G consecutive rows (ref 004)."""
+def _micro_batches(groups: range, G: int, prompts_per_micro_batch: int) -> list[torch.Tensor]:
+    """Row indices of each micro-batch: whole groups of G consecutive rows (ref 004), of the
+    groups `groups` (this rank's)."""
     return [
-        torch.arange(i * G, min(i + prompts_per_micro_batch, groups) * G)
-        for i in range(0, groups, prompts_per_micro_batch)
+        torch.arange(i * G, min(i + prompts_per_micro_batch, groups.stop) * G)
+        for i in range(groups.start, groups.stop, prompts_per_micro_batch)
     ]
 
 
@@ -391,29 +416,43 @@ class Sampled:
     zero_std_groups: int = 0
 
 
-def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float]) -> Sampled:
+def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float], step: int) -> Sampled:
     """trainer.prompts_per_step prompts, G completions each, scored. With trainer.dynamic_sampling
     (DAPO), zero-std groups are dropped and more prompts are sampled (up to max_sampling_tries
-    rollouts) to fill the step with groups that carry signal."""
-    t, s, G, policy = cfg.trainer, cfg.sampler, cfg.sampler.num_generations, parts.policy
-    sampled, kept = Sampled(batch=None, group_size=G), []
+    rollouts) to fill the step with groups that carry signal.
+
+    Prompt i of the step's draw is sampled from its own seed (seed, step, i). With several
+    processes each rank samples and scores its shard of the prompts, and the scored rollouts are
+    gathered: every rank then holds the whole step, in the order one process would have it."""
+    t, s, G, d = cfg.trainer, cfg.sampler, cfg.sampler.num_generations, parts.dist
+    sampled, kept, drawn = Sampled(batch=None, group_size=G), [], 0
     for _ in range(t.max_sampling_tries if t.dynamic_sampling else 1):
-        examples = parts.stream.take(t.prompts_per_step - len(kept))
-        tick = time.perf_counter()
-        policy.eval()
-        with autocast(parts.device, parts.precision):
-            rollout = sample(
-                policy,
-                [ex.prompt_ids for ex in examples],
-                eos_ids=[] if s.ignore_eos else parts.eos_ids,
-                pad_id=parts.tokenizer.pad_token_id,
-                **sampler_kwargs(s, fast_decode=parts.fast_paths),
+        examples = parts.stream.take(t.prompts_per_step - len(kept))  # the same on every rank
+        mine = shard(len(examples), d.rank, d.world_size)
+        seeds = [prompt_seed(t.seed, step, drawn + i) for i in mine]
+        drawn += len(examples)
+        scored = None
+        if len(mine):
+            tick = time.perf_counter()
+            parts.policy.eval()
+            with autocast(parts.device, parts.precision):
+                rollout = sample(
+                    parts.policy,
+                    [examples[i].prompt_ids for i in mine],
+                    eos_ids=[] if s.ignore_eos else parts.eos_ids,
+                    pad_id=parts.tokenizer.pad_token_id,
+                    seeds=seeds,
+                    **sampler_kwargs(s, fast_decode=parts.fast_paths),
+                )
+            parts.policy.train()
+            phase["rollout"] += time.perf_counter() - tick
+            tick = time.perf_counter()
+            _, total, per_reward = score_examples(
+                parts.rewards, parts.tokenizer, [examples[i] for i in mine], rollout, G
             )
-        policy.train()
-        phase["rollout"] += time.perf_counter() - tick
-        tick = time.perf_counter()
-        _, total, per_reward = score_examples(parts.rewards, parts.tokenizer, examples, rollout, G)
-        phase["reward"] += time.perf_counter() - tick
+            phase["reward"] += time.perf_counter() - tick
+            scored = (rollout, total, per_reward)
+        rollout, total, per_reward = _gather_scored(d, scored, parts.device, parts.tokenizer.pad_token_id)
         rollout.rewards = torch.tensor(total, dtype=torch.float32, device=parts.device)  # [n*G]
         zero = zero_std_groups(
             rollout.rewards, G, std=cfg.loss.std, zero_std_threshold=cfg.loss.zero_std_threshold
@@ -433,6 +472,29 @@ def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float]) -> Sample
     if kept:
         sampled.batch = concat(kept[: t.prompts_per_step], parts.tokenizer.pad_token_id)
     return sampled
+
+
+def _gather_scored(d, scored, device, pad_id: int):
+    """Every rank's (rollout, totals, per-reward values), joined in rank order (= prompt order)."""
+    if not d.enabled:
+        return scored
+    cpu = None if scored is None else (_to(scored[0], "cpu"), scored[1], scored[2])
+    parts = [p for p in d.gather(cpu) if p is not None]
+    rollout = _to(concat([p[0] for p in parts], pad_id), device)
+    per_reward: dict[str, list] = {}
+    for p in parts:
+        for name, values in p[2].items():
+            per_reward.setdefault(name, []).extend(values)
+    return rollout, [v for p in parts for v in p[1]], per_reward
+
+
+def _to(rollout: Rollout, device) -> Rollout:
+    return Rollout(
+        **{
+            f.name: None if getattr(rollout, f.name) is None else getattr(rollout, f.name).to(device)
+            for f in fields(Rollout)
+        }
+    )
 
 
 def _reference_logprobs(
@@ -502,7 +564,8 @@ class _StopFlag:
     """SIGINT/SIGTERM finish the current step, save a checkpoint and exit 130/143; a second one
     abandons the step (or the checkpoint being written) and exits at once."""
 
-    def __init__(self):
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet  # ranks other than 0 take the signal without a word
         self.requested = False
         self.signal_name = ""
         self.exit_code = 0
@@ -515,6 +578,8 @@ class _StopFlag:
         self.requested = True
         self.signal_name = name
         self.exit_code = 128 + signum
+        if self.quiet:
+            return
         print(
             f"grpo-train: {name} received; finishing this step, then saving a checkpoint "
             "(send it again to stop at once without saving this step).",

@@ -37,6 +37,15 @@ class Interrupted(BaseException):
         self.exit_code = exit_code
 
 
+class QuietExit(Exception):
+    """A multi-process run stops on this rank, and another rank reports why (rank 0 for what
+    every rank finds alike: bad config, bad data; the failing rank otherwise)."""
+
+    def __init__(self, code: int):
+        super().__init__(f"exit {code}")
+        self.code = code
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`: library errors can run to a page."""
     text = str(exc).strip().splitlines()

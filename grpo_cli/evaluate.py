@@ -70,18 +70,21 @@ def evaluate(
     eos_ids: list[int],
     pad_id: int,
     batch_size: int = 32,
+    reduce=None,
     **sampling,
 ) -> dict[str, float]:
     """`eval/reward` (weighted total) and `eval/accuracy` (mean of the accuracy reward, when one
     is configured) over the examples, one completion each (`sampling`: rollout.sample's
-    settings, build.sampler_kwargs(cfg.sampler, num_generations=1, greedy=True) for greedy)."""
+    settings, build.sampler_kwargs(cfg.sampler, num_generations=1, greedy=True) for greedy).
+    reduce: sums a list of floats over the processes that evaluate a shard each
+    (distributed.Dist.sum): the means are then over every shard."""
     if sampling.get("num_generations", 1) != 1:
         raise ValueError("evaluate scores one completion per example: num_generations must be 1")
     was_training = model.training
     model.eval()
     totals, accuracy = [], []
     try:
-        for start in range(0, len(examples), batch_size):
+        for start in range(0, len(examples), batch_size):  # (none: a process with an empty shard)
             chunk = examples[start : start + batch_size]
             rollout = sample(
                 model,
@@ -96,7 +99,9 @@ def evaluate(
                 accuracy += [v for v in per_reward["accuracy"] if v is not None]
     finally:
         model.train(was_training)
-    out = {"eval/reward": sum(totals) / max(len(totals), 1)}
-    if accuracy:
-        out["eval/accuracy"] = sum(accuracy) / len(accuracy)
+    sums = [sum(totals), len(totals), sum(accuracy), len(accuracy)]
+    reward_sum, reward_n, accuracy_sum, accuracy_n = reduce(sums) if reduce else sums
+    out = {"eval/reward": reward_sum / max(reward_n, 1)}
+    if accuracy_n:
+        out["eval/accuracy"] = accuracy_sum / accuracy_n
     return out

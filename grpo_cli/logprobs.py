@@ -191,3 +191,27 @@ def token_logprobs(
     if with_entropy:
         return logps, entropy_from_logits(logits.detach())
     return logps
+
+
+class TokenLogprobs(torch.nn.Module):
+    """token_logprobs(model, ...) with entropy, as a module's forward: what the training step runs.
+    A module so that DistributedDataParallel can wrap it: DDP's forward arms the gradient
+    all-reduce that the backward then runs (distributed.wrap_scorer); one process runs it as is."""
+
+    def __init__(self, model, *, temperature: float, shared_prompt: bool):
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+        self.shared_prompt = shared_prompt
+
+    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        return token_logprobs(
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=self.temperature,
+            with_entropy=True,
+            shared_prompt=self.shared_prompt,
+        )  # ([b, C], [b, C])

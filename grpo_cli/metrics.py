@@ -68,14 +68,20 @@ class MetricsLogger:
         table_every: int = 10,
         resume_step: int = 0,
         report_to: Sequence[str] = ("jsonl",),
+        writer: bool = True,
     ):
+        """writer=False (ranks other than 0 of a multi-process run): nothing is written or printed."""
         self.path = run_dir / METRICS_FILE
+        self.writer = writer
+        quiet = quiet or not writer
         self.quiet = quiet
         self.table_every = table_every
         self.console = Console(stderr=False, quiet=quiet)
         self.rows: list[dict] = []
         try:
-            if resume_step and self.path.exists():
+            if not writer:
+                pass
+            elif resume_step and self.path.exists():
                 kept = [
                     line
                     for line in self.path.read_text().splitlines()
@@ -88,7 +94,9 @@ class MetricsLogger:
             raise _write_error(self.path, exc) from exc
         self._pending: list[dict] = []
         self.tensorboard = (
-            TensorBoard(run_dir / "tensorboard", resume_step) if "tensorboard" in report_to else None
+            TensorBoard(run_dir / "tensorboard", resume_step)
+            if "tensorboard" in report_to and writer
+            else None
         )
         self.progress = Progress(
             TextColumn("[bold]training"),
@@ -119,6 +127,8 @@ class MetricsLogger:
             k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" else v)
             for k, v in row.items()
         }
+        if not self.writer:
+            return
         try:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(clean, allow_nan=True) + "\n")
@@ -154,6 +164,8 @@ class MetricsLogger:
 
     def warn(self, text: str) -> None:
         """Warnings and stop messages: to stderr, plain text, even with trainer.quiet=true."""
+        if not self.writer:
+            return
         print(text, file=sys.stderr, flush=True)
 
 
@@ -250,6 +262,24 @@ class UpdateStats:
         self.mismatch_sum += check.sum_abs_diff
         self.mismatch_max = max(self.mismatch_max, check.max_abs_diff)
         self.mismatch_tokens += float(check.valid_tokens)
+
+    def all_reduce(self, d) -> None:
+        """With several processes (distributed.Dist d): the sums over every rank's micro-batches,
+        as one process would have them (the losses and gradient norms are already the step's)."""
+        if not d.enabled:
+            return
+        keys = [*LOSS_STATS, "num_tokens"]  # the same on every rank (a rank may have trained on none)
+        scalars = ("entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens")
+        summed = d.sum(
+            [self.sums.get(k, 0.0) for k in keys]
+            + [self.last.get(k, 0.0) for k in keys]
+            + [getattr(self, name) for name in scalars]
+        )
+        self.sums = dict(zip(keys, summed[: len(keys)]))
+        self.last = dict(zip(keys, summed[len(keys) : 2 * len(keys)]))
+        for name, value in zip(scalars, summed[2 * len(keys) :]):
+            setattr(self, name, value)
+        self.ratio_max, self.mismatch_max = d.max([self.ratio_max, self.mismatch_max])
 
     def update(self, loss: float, grad_norm: float) -> None:
         self.losses.append(loss)

@@ -210,9 +210,14 @@ def sample(
     pad_id: int,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    seeds: list[int] | None = None,
     fast_decode: bool = True,
 ) -> Rollout:
     """`num_generations` completions of each prompt (token ids), rows grouped by prompt.
+    seeds: one per prompt; prompt b's completions draw from a CPU generator seeded seeds[b] (its
+    G uniforms per decode step), so they do not depend on which other prompts share the batch
+    (nor on the device, nor on how many processes share the step). Without seeds, `generator`
+    (default: torch's global one) draws for the whole batch.
     fast_decode: the CPU decode steps' W @ x^T linear layers (off for an architecture not
     tested here: the model's own layers run)."""
 
@@ -227,6 +232,22 @@ def sample(
     N = prompt_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)  # may be empty
 
+    uniforms = None  # [max_new_tokens, N]: row n's uniform at each decode step
+    if seeds is not None and not greedy:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"sample: {len(seeds)} seeds for {len(prompts)} prompts")
+        uniforms = torch.cat(
+            [
+                torch.rand(
+                    (max_new_tokens, num_generations),
+                    generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64,
+                )
+                for seed in seeds
+            ],
+            dim=1,
+        ).to(device)
+
     attention_mask = prompt_mask
     position_ids = position_ids_from_mask(attention_mask)
     tokens, logps = [], []
@@ -237,7 +258,8 @@ def sample(
             if greedy:
                 token = logits.argmax(-1)  # [N]
             else:
-                token = draw(filter_logits(logits, top_k, top_p).softmax(-1), generator)  # [N]
+                u = None if uniforms is None else uniforms[step, :, None]  # [N, 1]
+                token = draw(filter_logits(logits, top_k, top_p).softmax(-1), generator, u)  # [N]
             # Log-prob under the tempered, untruncated distribution: the one the trainer scores
             # (logprobs.token_logprobs), so ratio == 1 before any update (ref 000.1, 000.4).
             logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]

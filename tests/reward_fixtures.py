@@ -26,3 +26,23 @@ def signal_once(completions, **kwargs):
 def alternating(completions, **kwargs):
     """0, 1, 0, 1, ... whatever the text: every group of an even size has signal."""
     return [float(i % 2) for i in range(len(completions))]
+
+
+def fails_on_rank_1(completions, **kwargs):
+    """A reward that raises on the second process of a multi-process run only."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise ValueError("rank 1's reward cannot score this")
+    return [float(len(c) % 3) for c in completions]
+
+
+def hangs_on_rank_1(completions, **kwargs):
+    """A reward that never returns on the second process of a multi-process run."""
+    import os
+    import time
+
+    if os.environ.get("RANK") == "1":
+        while True:
+            time.sleep(1)
+    return [float(len(c) % 3) for c in completions]

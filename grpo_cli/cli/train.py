@@ -28,12 +28,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli import plots
+from grpo_cli import distributed, plots
 from grpo_cli.cli.sweep import RunFailed, Sweep
 from grpo_cli.config import Config, to_typed, validate
 from grpo_cli.errors import (
     EXIT_DIVERGED,
+    EXIT_USER_ERROR,
     Interrupted,
+    QuietExit,
     TrainingDiverged,
     UserError,
     first_line,
@@ -114,18 +116,35 @@ def _train(cfg: DictConfig) -> None:
         _run(cfg, run_dir, overrides, in_sweep=False)
     except RunFailed as exc:
         report_and_exit(exc.title, exc.problems, code=exc.code)
+    except QuietExit as exc:  # another rank reports it
+        sys.exit(exc.code)
 
 
-def train_config(cfg: DictConfig, run_dir: Path, on_start=None) -> dict:
+def train_config(cfg: DictConfig, run_dir: Path, on_start=None, d: distributed.Dist | None = None) -> dict:
     """Build the parts from a composed, validated config and train; the last metrics row ({} when
-    the checkpoint to resume already ends the run). What grpo-train runs, and the tests too."""
+    the checkpoint to resume already ends the run). What grpo-train runs, and the tests too.
+    d: this process's rank in a multi-process run (default: one process)."""
     from rich.console import Console
 
     from grpo_cli.build import build_training
     from grpo_cli.engine import train
 
+    d = d or distributed.Dist()
     typed = to_typed(cfg)
-    parts = build_training(typed, run_dir, Console(quiet=typed.trainer.quiet))
+    console = Console(quiet=typed.trainer.quiet or not d.is_main)
+    if not d.enabled:
+        parts = build_training(typed, run_dir, console)
+    else:  # every rank builds; one failure stops all, reported once
+        error = None
+        try:
+            parts = build_training(typed, run_dir, console, d)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on the rank that reports it
+            error = exc
+        failed = d.gather(error is not None)
+        if any(failed):
+            if error is None or d.rank != failed.index(True):
+                raise QuietExit(EXIT_USER_ERROR)
+            raise error
     if parts is None:
         return {}
     return train(typed, parts, run_dir, OmegaConf.to_yaml(cfg, resolve=True), on_start=on_start)
@@ -133,35 +152,143 @@ def train_config(cfg: DictConfig, run_dir: Path, on_start=None) -> dict:
 
 def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool) -> None:
     """Validate, build and train; a failure worded for the user is raised as RunFailed. A single
-    run that fails on bad input leaves no files; a sweep job keeps its folder for its status."""
+    run that fails on bad input leaves no files; a sweep job keeps its folder for its status.
+    trainer.num_processes > 1: start that many workers (this same command) and wait for them;
+    a worker (started by torchrun or by that launcher) joins the others first."""
+    d = distributed.from_env()
     problems = validate(cfg)
     if problems:
+        if not d.is_main:  # every rank finds the same problems; rank 0 reports them
+            raise QuietExit(EXIT_USER_ERROR)
         if not in_sweep:
             _remove_if_empty(run_dir)
         raise RunFailed("grpo-train: invalid configuration", problems)
+    if cfg.trainer.num_processes > 1 and not d.enabled:
+        _launch(cfg, run_dir, overrides, in_sweep=in_sweep)
+        return
+    try:
+        if d.enabled:
+            run_dir = _join(cfg, d, run_dir)
+        _run_here(cfg, run_dir, overrides, in_sweep=in_sweep, d=d)
+    except Exception as exc:
+        if not d.enabled or isinstance(exc, (RunFailed, QuietExit)):
+            raise
+        if distributed.is_peer_failure(exc):  # another rank died: its own error says why
+            raise QuietExit(1) from exc
+        if distributed.is_timeout(exc):
+            raise RunFailed(
+                f"grpo-train (rank {d.rank})",
+                [
+                    f"no answer from the other processes within trainer.distributed_timeout="
+                    f"{cfg.trainer.distributed_timeout} s ({first_line(exc, 160)}): a process died, hung or "
+                    "is far slower than the others. The run stopped; resume from its last checkpoint "
+                    f"(hydra.run.dir={run_dir} trainer.resume=auto)."
+                ],
+                code=1,
+            ) from exc
+        raise
+    finally:
+        distributed.leave()
+
+
+def _join(cfg: DictConfig, d: distributed.Dist, run_dir: Path) -> Path:
+    """Join the process group; rank 0 chooses the run folder (each rank's Hydra resolves its own
+    `${now:}`), and the others remove the one they created if it differs."""
+    from grpo_cli.precision import resolve_device
+
+    try:
+        device = resolve_device(cfg.trainer.device)
+    except UserError as exc:
+        raise RunFailed("grpo-train", [str(exc)]) from exc
+    distributed.join(d, device.type, cfg.trainer.distributed_timeout)
+    chosen = Path(d.broadcast(str(run_dir)))
+    if chosen.resolve() != run_dir.resolve():
+        _remove_if_empty(run_dir)
+    return chosen
+
+
+def _run_here(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool, d) -> None:
+    """Build and train in this process (one of several when d.enabled; rank 0 writes the files)."""
     started = False
     try:
         # The run record is written once everything is built, right before the first step.
         def on_start() -> None:
             global _training_started
             nonlocal started
-            save_run_record(cfg, run_dir, overrides)
+            if d.is_main:
+                save_run_record(cfg, run_dir, overrides)
             _training_started = started = True
 
-        train_config(cfg, run_dir, on_start=on_start)
+        train_config(cfg, run_dir, on_start=on_start, d=d)
     except UserError as exc:
-        if not in_sweep:
+        if not in_sweep and d.is_main:
             _discard_if_nothing_trained(run_dir)
-        raise RunFailed("grpo-train", [str(exc)]) from exc
+        title = f"grpo-train (rank {d.rank})" if d.enabled else "grpo-train"
+        raise RunFailed(title, [str(exc)]) from exc
     except TrainingDiverged as exc:
+        if not d.is_main:  # every rank stops alike; rank 0 reports
+            raise QuietExit(EXIT_DIVERGED) from exc
         raise RunFailed("grpo-train: training stopped", [str(exc)], code=EXIT_DIVERGED) from exc
     except Interrupted:
-        if not in_sweep:
+        if not in_sweep and d.is_main:
             _discard_if_nothing_trained(run_dir)
         raise
     finally:  # however a run that trained ended: its curves (a failure here only warns)
-        if started:
+        if started and d.is_main:
             plots.draw_safely(plots.draw_run, run_dir, prog="grpo-train")
+
+
+def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool) -> None:
+    """trainer.num_processes=N: run this same command in N workers through torchrun's launcher,
+    in the run folder chosen here; they print and write (rank 0) as one run would."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    n = cfg.trainer.num_processes
+    args = _config_flags(sys.argv[1:]) + list(overrides) + [f"hydra.run.dir={run_dir}"]
+    try:
+        distributed.launch(_entry_command(), args, n, cfg.trainer.distributed_timeout)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if not in_sweep:
+            _discard_if_nothing_trained(run_dir)
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        if code in (130, 143):  # stopped by a signal: the workers said so (and how to resume)
+            raise SystemExit(code) from None
+        raise RunFailed(
+            "grpo-train",
+            [
+                f"process {rank} of {n} stopped with exit status {failure.exitcode} (its error is above); "
+                "the other processes were stopped."
+            ],
+            code=code,
+        ) from None
+    except SignalException as exc:  # Ctrl-C: the workers finished their step, saved and said so
+        raise SystemExit(128 + int(exc.sigval)) from None
+
+
+def _entry_command() -> list[str]:
+    """The command that started this process, without its arguments (a console script, `python
+    -m grpo_cli.cli.train`, `python -c ...`): what the workers run."""
+    orig = list(getattr(sys, "orig_argv", []))
+    n = len(sys.argv) - 1  # the arguments after the program
+    if len(orig) > n >= 0:
+        return [sys.executable, *orig[1 : len(orig) - n]]
+    return [sys.executable, "-m", "grpo_cli.cli.train"]
+
+
+_CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
+def _config_flags(args: list[str]) -> list[str]:
+    """Hydra's config-location flags among the arguments, for the workers."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg in _CONFIG_FLAGS and i + 1 < len(args):
+            out += [arg, args[i + 1]]
+        elif arg.split("=", 1)[0] in _CONFIG_FLAGS and "=" in arg:
+            out.append(arg)
+    return out
 
 
 # ----------------------------------------------------------------------------- before the task

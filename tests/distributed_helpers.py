@@ -1,0 +1,62 @@
+"""Runs of the tiny model with 1 or 2 processes for tests/test_distributed.py: every case of
+CASES trains in this process (one process group for all of them), into OUT/<case>/.
+
+    python tests/distributed_helpers.py OUT                                          # one process
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_helpers.py OUT
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BASE = [
+    "model=tiny",
+    "data.num_examples=32",
+    "data.eval_size=6",
+    "sampler.num_generations=4",
+    "sampler.max_new_tokens=6",
+    "reward=[]",
+    "+reward.code.fn=reward_fixtures:char_code",
+    "optimizer.learning_rate=1e-3",
+    "trainer.prompts_per_step=4",
+    "trainer.max_steps=2",
+    "trainer.save_steps=50",
+    "trainer.eval_before=false",
+    "trainer.quiet=true",
+]
+# Every loss type with beta 0 and 0.04, gradient accumulation, dynamic sampling, batch-wide
+# reward scaling, two iterations per rollout.
+CASES = {
+    **{
+        f"{loss}-beta{beta}": [f"loss={loss}", f"loss.beta={beta}"]
+        for loss in ("grpo", "dr_grpo", "dapo", "gspo")
+        for beta in ("0", "0.04")
+    },
+    "accumulation": ["loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
+    "dynamic-sampling": ["trainer.dynamic_sampling=true", "reward.code.fn=reward_fixtures:plus_parity"],
+    "batch-scale": ["loss.scale_rewards=batch", "trainer.num_iterations=2"],
+}
+
+
+def main() -> None:
+    from hydra import compose, initialize_config_module
+
+    from grpo_cli import distributed
+    from grpo_cli.cli.train import train_config
+    from grpo_cli.config import validate
+
+    out = Path(sys.argv[1])
+    d = distributed.from_env()
+    distributed.join(d, "cpu", 120)
+    with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
+        for name, overrides in CASES.items():
+            cfg = compose(config_name="config", overrides=BASE + overrides)
+            assert not validate(cfg), validate(cfg)
+            (out / name).mkdir(parents=True, exist_ok=True)  # (what Hydra does for grpo-train)
+            train_config(cfg, out / name, d=d)
+    distributed.leave()
+
+
+if __name__ == "__main__":
+    main()
