@@ -20,7 +20,7 @@ from grpo_cli import checkpoint as ckpt
 from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
 from grpo_cli.config import Config, DataConfig, SamplerConfig
 from grpo_cli.data import Example, PromptStream, build_prompts, read_rows
-from grpo_cli.distributed import Dist, wrap_scorer
+from grpo_cli.distributed import Dist, shard_model, wrap_scorer
 from grpo_cli.errors import UserError, first_line
 from grpo_cli.logprobs import TokenLogprobs
 from grpo_cli.models import (
@@ -238,8 +238,24 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist = Dist()) -> Par
     check_quantization(cfg.adapter.quantization, device)
     resume_from = loaded = None
     changed: list[str] = []
+    fsdp = d.enabled and t.distributed == "fsdp"
+    if fsdp and precision.use_grad_scaler:
+        raise UserError(
+            f"trainer.distributed=fsdp with trainer.precision={precision.name} needs a sharded grad "
+            "scaler, which grpo-cli does not run; use trainer.precision=bf16 (or fp32), or "
+            "trainer.distributed=ddp."
+        )
     if t.resume:
         resume_from = ckpt.find_resume_checkpoint(t.resume, run_dir)
+        if ckpt.is_sharded_checkpoint(resume_from) != fsdp:
+            written, now = ("fsdp", "ddp") if not fsdp else ("ddp (or one process)", "fsdp")
+            raise UserError(
+                f"checkpoint {resume_from} was written with trainer.distributed={written}, and this run uses "
+                f"{now}: their optimizer states are stored differently (FSDP's sharded over the processes). "
+                f"Resume it with trainer.distributed={written.split()[0]}"
+                + (" and trainer.num_processes >= 2" if not fsdp else "")
+                + ", or start a new run from its weights (model.name_or_path=<the checkpoint folder>)."
+            )
         changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
         loaded = ckpt.load_training_state(resume_from)
     train_rows, eval_rows = read_data(cfg)
@@ -281,6 +297,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist = Dist()) -> Par
         )
 
     policy = load_policy(cfg, source, device, precision, trainable=True, resume_from=resume_from)
+    if fsdp:  # before the optimizer: it steps this process's shards
+        shard_model(policy)
     if is_adapted(policy):
         console.print(
             f"adapter: LoRA r={cfg.adapter.r} alpha={cfg.adapter.alpha:g} on "
@@ -295,6 +313,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist = Dist()) -> Par
             if is_adapted(policy)
             else load_model(source, device=device, trainable=False, **_model_kw(cfg))
         )
+        if fsdp and ref is not policy:
+            shard_model(ref)
 
     o = cfg.optimizer
     optimizer, scheduler = build_optimizer(
@@ -311,7 +331,10 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist = Dist()) -> Par
     stream = PromptStream(data.train, seed=t.seed)
     if loaded:
         try:
-            optimizer.load_state_dict(loaded[1])
+            if fsdp:
+                ckpt.load_sharded(resume_from, policy, optimizer)
+            else:
+                optimizer.load_state_dict(loaded[1])
             scheduler.load_state_dict(loaded[2])
             stream.load_state(state.stream)
         except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:

@@ -6,7 +6,11 @@ Layout of `<run>/checkpoints/step-000050/`: the model (safetensors) and tokenize
 `save_pretrained` writes them (loadable with AutoModelForCausalLM.from_pretrained; with
 adapter=lora, PEFT's adapter_config.json and adapter_model.safetensors instead of the model),
 `optimizer.pt`, `scheduler.pt`, the resolved `config.yaml`, and `trainer_state.pt` (step, data
-position, every RNG state, grad-scaler state), written last.
+position, every process's RNG state, grad-scaler state), written last. With
+trainer.distributed=fsdp the model and optimizer are sharded over the processes: `sharded/`
+holds them as torch.distributed.checkpoint writes them (each process its shard; resumable with
+any number of processes) instead of optimizer.pt, and rank 0 still writes the whole model with
+save_pretrained.
 
 Crash safety: everything is written and fsynced in `.tmp-step-N-<pid>/`, then renamed to
 `step-N/` (one atomic rename). A checkpoint being replaced or rotated away is first renamed to
@@ -38,6 +42,7 @@ FORMAT_VERSION = 1
 # model.safetensors or its shard index) or a LoRA adapter's (PEFT's adapter_config.json and
 # adapter_model.safetensors, which load onto the base model of config.yaml's model section).
 REQUIRED_FILES = ("config.yaml", "optimizer.pt", "scheduler.pt", "trainer_state.pt")
+SHARDED_DIR = "sharded"  # FSDP: the model and optimizer as torch.distributed.checkpoint writes them
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # The keys that define the weights a checkpoint continues (the model, and the shape of its
 # adapters): they may not change on resume. Everything else may (with a note that the run no
@@ -162,57 +167,99 @@ def save_checkpoint(
     config_yaml: str,
     keep_last: int,
     rng_ranks: list[dict[str, Any]] | None = None,
+    dist=None,
 ) -> Path:
     """Checkpoint `step-<state.step>`: the model, tokenizer, optimizer, scheduler, config and
     `state` with every RNG's current state (rng_ranks: every rank's, gathered; default this
-    process's)."""
+    process's). A model sharded by FSDP2 is saved by every process together (`dist`: this
+    process's distributed.Dist); otherwise only rank 0 calls this."""
+    from grpo_cli.distributed import Dist, is_sharded
+
+    d = dist or Dist()
+    sharded = is_sharded(model)
     rng_ranks = rng_ranks or [rng_state()]
     step = state.step
     root = checkpoints_dir(run_dir)
     final = root / f"step-{step:06d}"
-    tmp = root / f"{TMP_PREFIX}{step:06d}-{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{step:06d}-{d.broadcast(os.getpid()) if sharded else os.getpid()}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        clean_partial(run_dir)
-        # save_embedding_layers=False: PEFT's "auto" would ask the hub about the base model on
-        # every save (no embedding layer is adapted here).
-        extra = {"save_embedding_layers": False} if is_adapted(model) else {}
-        model.save_pretrained(tmp, safe_serialization=True, **extra)
-        tokenizer.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
-        # Written last: a folder holding trainer_state.pt holds everything else.
-        record = {
-            **asdict(state),
-            "format": FORMAT_VERSION,
-            "rng": rng_ranks[0],
-            "rng_ranks": rng_ranks,
-            "world_size": len(rng_ranks),
-        }
-        torch.save(record, tmp / "trainer_state.pt")
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving a step: move the old one aside, never delete in place
-            trash = root / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            _fsync_dir(root)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-            _fsync_dir(root)
+        if d.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            clean_partial(run_dir)
+            tmp.mkdir()
+        full = None
+        if sharded:  # every process writes its shard, then rank 0 the whole model
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_state_dict,
+            )
+
+            d.barrier()  # the folder exists
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / SHARDED_DIR)
+            full = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )  # on rank 0
+        if d.is_main:
+            # save_embedding_layers=False: PEFT's "auto" would ask the hub about the base model on
+            # every save (no embedding layer is adapted here).
+            extra = {"save_embedding_layers": False} if is_adapted(model) else {}
+            if sharded:
+                extra["state_dict"] = full  # the whole model, gathered above
+            model.save_pretrained(tmp, safe_serialization=True, **extra)
+            tokenizer.save_pretrained(tmp)
+            if not sharded:
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            (tmp / "config.yaml").write_text(config_yaml)
+            # Written last: a folder holding trainer_state.pt holds everything else.
+            record = {
+                **asdict(state),
+                "format": FORMAT_VERSION,
+                "rng": rng_ranks[0],
+                "rng_ranks": rng_ranks,
+                "world_size": len(rng_ranks),
+            }
+            torch.save(record, tmp / "trainer_state.pt")
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving a step: move the old one aside, never delete in place
+                trash = root / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                _fsync_dir(root)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+                _fsync_dir(root)
     except Exception as exc:  # I/O errors surface as OSError, SafetensorError, RuntimeError...
-        shutil.rmtree(tmp, ignore_errors=True)
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(
             f"could not write checkpoint {final}: {first_line(exc)}. {_disk_hint(root)}"
             "Free disk space or point hydra.run.dir at a disk with room (and resume with "
             "trainer.resume=auto); earlier checkpoints are intact."
         ) from exc
     except BaseException:  # interrupted mid-write: leave no partial folder
-        shutil.rmtree(tmp, ignore_errors=True)
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _rotate(root, keep_last)
+    if d.is_main:
+        _rotate(root, keep_last)
     return final
+
+
+def load_sharded(path: Path, model, optimizer) -> None:
+    """FSDP: a checkpoint's sharded model and optimizer state into this run's (each process
+    reads what its shards need, whatever the number of processes that wrote it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    saved = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(saved, checkpoint_id=path / SHARDED_DIR)
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
 
 
 def _disk_hint(root: Path) -> str:
@@ -272,8 +319,13 @@ def clean_partial(run_dir: Path) -> None:
 # ----------------------------------------------------------------------------- finding
 
 
+def is_sharded_checkpoint(path: Path) -> bool:
+    return (path / SHARDED_DIR).is_dir()
+
+
 def missing_files(path: Path) -> list[str]:
-    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    required = [n for n in REQUIRED_FILES if n != "optimizer.pt" or not is_sharded_checkpoint(path)]
+    missing = [name for name in required if not (path / name).is_file()]
     if (path / ADAPTER_FILES[0]).is_file():  # a LoRA checkpoint
         return missing + [name for name in ADAPTER_FILES[1:] if not (path / name).is_file()]
     if not (path / "config.json").is_file():
@@ -399,7 +451,9 @@ def load_training_state(path: Path) -> tuple[TrainerState, dict, dict]:
     checkpoint can hold tensors and plain containers, never arbitrary pickled objects."""
     try:
         trainer_state = torch.load(path / "trainer_state.pt", weights_only=True)
-        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
+        optimizer_state = (
+            None if is_sharded_checkpoint(path) else torch.load(path / "optimizer.pt", weights_only=True)
+        )  # FSDP: in sharded/, loaded with the model (load_sharded)
         scheduler_state = torch.load(path / "scheduler.pt", weights_only=True)
     except Exception as exc:
         import pickle

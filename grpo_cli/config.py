@@ -393,6 +393,12 @@ def validate(cfg: Any) -> list[str]:
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
 
     problems.extend(_validate_adapter(cfg.adapter, tr))
+    if tr.distributed == "fsdp" and cfg.adapter.name != "none":
+        problems.append(
+            f"trainer.distributed=fsdp with adapter={cfg.adapter.name} is not supported: LoRA keeps the base "
+            "model frozen and small enough to replicate; use trainer.distributed=ddp with adapters "
+            "(or adapter=none to shard a full fine-tune)."
+        )
     problems.extend(_validate_rewards(cfg.reward))
     return problems
 

@@ -222,8 +222,9 @@ def launch(entry: list[str], args: list[str], num_processes: int, timeout_s: flo
 def wrap_scorer(scorer, d: Dist, device):
     """The training forward (logprobs.TokenLogprobs) for W processes: DistributedDataParallel
     around it, which all-reduces (averages) the trainable parameters' gradients in the backward.
-    One process: the module itself."""
-    if not d.enabled:
+    One process, or a model sharded by FSDP2 (whose own hooks reduce-scatter the gradients):
+    the module itself."""
+    if not d.enabled or is_sharded(scorer.model):
         return scorer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -242,3 +243,57 @@ def gradient_sync(scorer, last: bool):
     if last or not hasattr(scorer, "no_sync"):
         return contextlib.nullcontext()
     return scorer.no_sync()
+
+
+def shard_model(model) -> None:
+    """FSDP2 (trainer.distributed=fsdp): shard each decoder layer (the block classes transformers
+    names in the model's _no_split_modules, as accelerate's auto-wrap does), then the rest (the
+    embeddings, final norm and head) with the whole model. Parameters become DTensors holding
+    this process's shard; each forward all-gathers a layer's weights just before it runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    from grpo_cli.errors import UserError
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UserError(
+            f"trainer.distributed=fsdp shards a model layer by layer, but {type(model).__name__} names no "
+            "decoder-layer class (its _no_split_modules is empty); use trainer.distributed=ddp."
+        )
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def is_sharded(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, FSDPModule)
+
+
+class full_weights:
+    """Within the block, an FSDP2 model's weights are gathered whole (one all-gather per layer for
+    the whole block, instead of one per layer per forward) and stay so: the decode loop runs a
+    forward per token, each rank a different number of them, with no collective inside. Sharded
+    again on exit. A model that is not sharded runs as is."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if is_sharded(model) else []
+
+    def __enter__(self):
+        for m in self.modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+        return False
+

@@ -26,7 +26,7 @@ from grpo_cli import guards, selfcheck
 from grpo_cli.adapters import disabled_adapters
 from grpo_cli.build import Parts, sampler_kwargs
 from grpo_cli.config import Config
-from grpo_cli.distributed import gradient_sync, prompt_seed, shard
+from grpo_cli.distributed import full_weights, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
 from grpo_cli.evaluate import evaluate, score_examples
 from grpo_cli.logprobs import TokenLogprobs, token_logprobs
@@ -100,9 +100,16 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
     start_step, said_no_signal, last_row, before = state.step, False, {}, {}
     resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
 
+    def bad_weights() -> list[str]:
+        """Parameters holding a NaN or an infinity, decided alike on every process (FSDP: each
+        checks its shard)."""
+        bad = guards.nonfinite_params(policy)
+        anywhere = d.any(bool(bad))  # (every process takes part: a collective)
+        return bad or (["a parameter of another process"] if anywhere else [])
+
     def diverged(step: int) -> None:
         guards.stop_diverged(
-            policy,
+            bad_weights(),
             state,
             step,
             max_bad_steps=t.max_bad_steps,
@@ -113,7 +120,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         )
 
     def save(step: int) -> Path | None:
-        bad = guards.nonfinite_params(policy)
+        bad = bad_weights()
         if bad:  # never write weights that would load but are garbage
             log.warn(
                 f"step {step}: the weights are not finite (e.g. {', '.join(bad)}); checkpoint not written."
@@ -123,7 +130,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         state.grad_scaler = scaler.state_dict() if scaler else {}
         rng_ranks = d.gather(ckpt.rng_state())  # every rank's; rank 0 writes the checkpoint
         path = None
-        if d.is_main:
+        if d.is_main or is_sharded(policy):  # (FSDP: every process writes its shard)
             path = ckpt.save_checkpoint(
                 run_dir,
                 state,
@@ -134,13 +141,14 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 config_yaml=config_yaml,
                 keep_last=t.keep_last,
                 rng_ranks=rng_ranks,
+                dist=d,
             )
         return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
 
     def run_eval() -> dict[str, float]:
         # Each rank evaluates its shard; the sums are all-reduced (d.sum).
         mine = [parts.eval_examples[i] for i in shard(len(parts.eval_examples), d.rank, d.world_size)]
-        with autocast(device, precision):
+        with autocast(device, precision), full_weights(policy):
             return evaluate(
                 policy,
                 parts.tokenizer,
@@ -193,10 +201,12 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             micro_rows = _micro_batches(
                 mine, G, t.prompts_per_step // (t.gradient_accumulation_steps * d.world_size)
             )
-            # A rank left without groups (dynamic sampling kept fewer groups than processes) still
-            # takes part in DDP's gradient all-reduce: one group at weight 0.
-            idle = not micro_rows
-            micro_rows = micro_rows or [torch.arange(G)]
+            # Every rank runs as many micro-batches (DDP reduces in the last backward, FSDP2's
+            # forward and backward are collectives): one with fewer groups (dynamic sampling kept
+            # fewer than prompts_per_step) makes up the count with a group at weight 0.
+            real = len(micro_rows)
+            if d.enabled:
+                micro_rows += [torch.arange(G)] * (int(d.max([real])[0]) - real)
             tick = time.perf_counter()
             if ref is not None:
                 with disabled_adapters(
@@ -232,7 +242,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     with gradient_sync(scorer, last), autocast(device, precision):
                         logps, entropy = scorer(*mb.inputs())  # token_logprobs, [b, C] each
                     logps = logps.float()  # [b, C]
-                    if idle:
+                    if k >= real:  # a stand-in micro-batch: zero gradients, reduced with the others
                         with gradient_sync(scorer, last):
                             (logps.nan_to_num().sum() * 0.0).backward()  # zero gradients, all-reduced
                         continue
@@ -273,7 +283,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 loss_total = d.sum([loss_total])[0]  # the step's loss: every rank decides alike
                 if scaler:
                     scaler.unscale_(optimizer)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.max_grad_norm))
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.max_grad_norm)
+                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 updates.update(loss_total, grad_norm)
                 finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
                 if not finite or not signal_:
@@ -296,7 +307,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 optimizer.zero_grad(set_to_none=True)
                 applied += 1
                 phase["optimizer"] += time.perf_counter() - tick
-            if applied and guards.nonfinite_params(policy):  # a finite gradient can overflow the weights
+            if applied and bad_weights():  # a finite gradient can overflow the weights
                 diverged(step)
 
             # 6. Metrics (TRL's names), eval, checkpoint.
@@ -432,26 +443,28 @@ def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float], step: int
         seeds = [prompt_seed(t.seed, step, drawn + i) for i in mine]
         drawn += len(examples)
         scored = None
-        if len(mine):
-            tick = time.perf_counter()
-            parts.policy.eval()
-            with autocast(parts.device, parts.precision):
-                rollout = sample(
-                    parts.policy,
-                    [examples[i].prompt_ids for i in mine],
-                    eos_ids=[] if s.ignore_eos else parts.eos_ids,
-                    pad_id=parts.tokenizer.pad_token_id,
-                    seeds=seeds,
-                    **sampler_kwargs(s, fast_decode=parts.fast_paths),
+        # (FSDP: every process gathers the weights, a collective, even one with nothing to sample.)
+        with full_weights(parts.policy):
+            if len(mine):
+                tick = time.perf_counter()
+                parts.policy.eval()
+                with autocast(parts.device, parts.precision):
+                    rollout = sample(
+                        parts.policy,
+                        [examples[i].prompt_ids for i in mine],
+                        eos_ids=[] if s.ignore_eos else parts.eos_ids,
+                        pad_id=parts.tokenizer.pad_token_id,
+                        seeds=seeds,
+                        **sampler_kwargs(s, fast_decode=parts.fast_paths),
+                    )
+                parts.policy.train()
+                phase["rollout"] += time.perf_counter() - tick
+                tick = time.perf_counter()
+                _, total, per_reward = score_examples(
+                    parts.rewards, parts.tokenizer, [examples[i] for i in mine], rollout, G
                 )
-            parts.policy.train()
-            phase["rollout"] += time.perf_counter() - tick
-            tick = time.perf_counter()
-            _, total, per_reward = score_examples(
-                parts.rewards, parts.tokenizer, [examples[i] for i in mine], rollout, G
-            )
-            phase["reward"] += time.perf_counter() - tick
-            scored = (rollout, total, per_reward)
+                phase["reward"] += time.perf_counter() - tick
+                scored = (rollout, total, per_reward)
         rollout, total, per_reward = _gather_scored(d, scored, parts.device, parts.tokenizer.pad_token_id)
         rollout.rewards = torch.tensor(total, dtype=torch.float32, device=parts.device)  # [n*G]
         zero = zero_std_groups(
@@ -502,7 +515,8 @@ def _reference_logprobs(
 ):
     """The reference model's log-probs [N, C] of the rollout's completions, micro-batch by micro-batch."""
     ref_logps = torch.zeros_like(batch.sampler_logps)  # [N, C]
-    with torch.inference_mode(), autocast(ref_logps.device, precision):
+    # (FSDP2's all-gathers run under no_grad, not inference mode.)
+    with torch.no_grad() if is_sharded(ref) else torch.inference_mode(), autocast(ref_logps.device, precision):
         for rows in micro_rows:
             mb = batch.rows(rows)
             ref_logps[rows, : mb.completion_ids.shape[1]] = token_logprobs(

@@ -16,12 +16,17 @@ from grpo_cli.checkpoint import TrainerState
 from grpo_cli.errors import TrainingDiverged
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter sharded by FSDP2 (a DTensor); a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def nonfinite_grads(policy, limit: int = 3) -> str:
     """`, first in <names>` for the parameters whose gradient holds a NaN or an infinity."""
     names = [
         name
         for name, p in policy.named_parameters()
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
     ]
     if not names:
         return ""
@@ -35,8 +40,8 @@ def nonfinite_params(policy, limit: int = 3) -> list[str]:
     flagged tensors then clears), and summing is ~10x cheaper than isfinite().all() over 135M
     weights (0.03 s vs 0.3 s a step here)."""
     named = [
-        (name, p) for name, p in policy.named_parameters() if p.requires_grad
-    ]  # frozen ones never change
+        (name, _local(p)) for name, p in policy.named_parameters() if p.requires_grad
+    ]  # frozen ones never change; FSDP: this process's shard of each
     with torch.no_grad():
         flagged = (
             ~torch.isfinite(torch.stack([p.detach().sum(dtype=torch.float32) for _, p in named]))
@@ -58,13 +63,21 @@ def record_step(
 
 
 def stop_diverged(
-    policy, state: TrainerState, step: int, *, max_bad_steps: int, save, run_dir: Path, resume_hint: str, log
+    bad_params: list[str],
+    state: TrainerState,
+    step: int,
+    *,
+    max_bad_steps: int,
+    save,
+    run_dir: Path,
+    resume_hint: str,
+    log,
 ) -> None:
     """Stop with exit 3 and a diagnosis. Either `max_bad_steps` steps in a row had a non-finite
     loss or gradient (their updates were skipped, so the weights are still those of
     `state.last_good_step`: save them), or an update made the weights themselves non-finite
-    (never save those: point at the latest good checkpoint)."""
-    bad_params = nonfinite_params(policy)
+    (never save those: point at the latest good checkpoint). bad_params: nonfinite_params of
+    the policy (on every process of a multi-process run)."""
     log.flush_table()
     if bad_params:
         found = ckpt.list_checkpoints(run_dir)

@@ -36,6 +36,13 @@ CASES = {
     "accumulation": ["loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
     "dynamic-sampling": ["trainer.dynamic_sampling=true", "reward.code.fn=reward_fixtures:plus_parity"],
     "batch-scale": ["loss.scale_rewards=batch", "trainer.num_iterations=2"],
+    # FSDP2 (one process: the same run unsharded)
+    "fsdp": ["trainer.distributed=fsdp", "loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
+    "fsdp-dynamic-sampling": [
+        "trainer.distributed=fsdp",
+        "trainer.dynamic_sampling=true",
+        "reward.code.fn=reward_fixtures:plus_parity",
+    ],
 }
 
 
@@ -51,6 +58,8 @@ def main() -> None:
     distributed.join(d, "cpu", 120)
     with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
         for name, overrides in CASES.items():
+            if not d.enabled:
+                overrides = [o for o in overrides if o != "trainer.distributed=fsdp"]
             cfg = compose(config_name="config", overrides=BASE + overrides)
             assert not validate(cfg), validate(cfg)
             (out / name).mkdir(parents=True, exist_ok=True)  # (what Hydra does for grpo-train)
