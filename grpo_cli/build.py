@@ -379,6 +379,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist = Dist()) -> Par
         total_steps=total_steps,
         state=state,
         resumed_from=resume_from,
-        scorer=wrap_scorer(TokenLogprobs(policy, temperature=s.temperature, shared_prompt=fast_paths), d, device),
+        scorer=wrap_scorer(
+            TokenLogprobs(policy, temperature=s.temperature, shared_prompt=fast_paths), d, device
+        ),
         dist=d,
     )

@@ -202,6 +202,9 @@ def save_checkpoint(
             full = get_model_state_dict(
                 model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )  # on rank 0
+            # Tied weights (the head sharing the embeddings) once, as save_pretrained writes them.
+            own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+            full = {k: v for k, v in full.items() if k in own}
         if d.is_main:
             # save_embedding_layers=False: PEFT's "auto" would ask the hub about the base model on
             # every save (no embedding layer is adapted here).

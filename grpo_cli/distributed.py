@@ -141,12 +141,21 @@ def join(d: Dist, device_type: str, timeout_s: float) -> None:
     )
 
 
-def leave() -> None:
-    """Leave the process group (end of the run, or a failure on this rank)."""
+def leave(finished: bool = True) -> None:
+    """Leave the process group. finished: every rank got here (the end of the run): wait for
+    the others first, so that no rank tears its connections down while another still uses
+    them (gloo aborts the process then). After a failure the group is torn down at once.
+    What the run built (models, DDP's reducer, FSDP's state) is collected first: left to the
+    interpreter's exit, their destructors can run after the group's and abort the process."""
+    import gc
+
+    gc.collect()
     try:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a broken group cannot be torn down more politely
         pass
@@ -296,4 +305,3 @@ class full_weights:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
         return False
-

@@ -516,7 +516,10 @@ def _reference_logprobs(
     """The reference model's log-probs [N, C] of the rollout's completions, micro-batch by micro-batch."""
     ref_logps = torch.zeros_like(batch.sampler_logps)  # [N, C]
     # (FSDP2's all-gathers run under no_grad, not inference mode.)
-    with torch.no_grad() if is_sharded(ref) else torch.inference_mode(), autocast(ref_logps.device, precision):
+    with (
+        torch.no_grad() if is_sharded(ref) else torch.inference_mode(),
+        autocast(ref_logps.device, precision),
+    ):
         for rows in micro_rows:
             mb = batch.rows(rows)
             ref_logps[rows, : mb.completion_ids.shape[1]] = token_logprobs(

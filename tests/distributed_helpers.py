@@ -7,6 +7,7 @@ CASES trains in this process (one process group for all of them), into OUT/<case
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def main() -> None:
             assert not validate(cfg), validate(cfg)
             (out / name).mkdir(parents=True, exist_ok=True)  # (what Hydra does for grpo-train)
             train_config(cfg, out / name, d=d)
+            gc.collect()  # this case's models and their DDP wrappers go now (see distributed.leave)
     distributed.leave()
 
 

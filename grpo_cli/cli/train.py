@@ -166,10 +166,15 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
     if cfg.trainer.num_processes > 1 and not d.enabled:
         _launch(cfg, run_dir, overrides, in_sweep=in_sweep)
         return
+    together = False  # every rank ends here alike: finished, or stopped by a signal at the same step
     try:
         if d.enabled:
             run_dir = _join(cfg, d, run_dir)
         _run_here(cfg, run_dir, overrides, in_sweep=in_sweep, d=d)
+        together = True
+    except SystemExit as exc:
+        together = exc.code in (130, 143)
+        raise
     except Exception as exc:
         if not d.enabled or isinstance(exc, (RunFailed, QuietExit)):
             raise
@@ -188,7 +193,7 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
             ) from exc
         raise
     finally:
-        distributed.leave()
+        distributed.leave(finished=together)
 
 
 def _join(cfg: DictConfig, d: distributed.Dist, run_dir: Path) -> Path:
