@@ -223,11 +223,11 @@ class Parts:
     dist: Dist = Dist()
 
 
-def build_training(cfg: Config, run_dir: Path, console, d: Dist = Dist()) -> Parts | None:
+def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
     """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
     to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
     resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
-    t, s = cfg.trainer, cfg.sampler
+    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
     rewards = build_rewards(cfg.reward)
     device = resolve_device(t.device)
     if d.enabled and device.type == "cuda":  # one GPU per process

@@ -233,9 +233,10 @@ def test_an_interrupted_two_process_run_resumes_bit_exact(tmp_path, uninterrupte
     want = weights(uninterrupted[mode] / "checkpoints" / "step-000004")
     got = weights(run / "checkpoints" / "step-000004")
     assert all(torch.equal(want[k], got[k]) for k in want)
-    strip = lambda rows: [
-        {k: v for k, v in r.items() if "time" not in k and k != "tokens_per_second"} for r in rows
-    ]  # noqa: E731
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if "time" not in k and k != "tokens_per_second"} for r in rows]
+
     assert strip(metrics(run)) == strip(metrics(uninterrupted[mode]))
 
 
