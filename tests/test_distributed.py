@@ -378,3 +378,15 @@ def test_a_bad_setting_stops_the_launcher_before_any_worker_starts(tmp_path):
     assert res.returncode == 2
     assert res.stderr.count("trainer.prompts_per_step=3") == 1, res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_check_env_reports_gpus_backends_and_the_processes_it_would_use(monkeypatch):
+    from grpo_cli.cli import check_env
+
+    info = check_env.collect()
+    report = check_env.format_report(info)
+    assert f"gpus             {torch.cuda.device_count()}" in report
+    assert "gloo available" in report and "nccl" in report
+    assert "trainer.num_processes=N" in report
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "started by torchrun: WORLD_SIZE=2" in check_env.format_report(check_env.collect())

@@ -377,7 +377,7 @@ def test_a_run_that_trained_draws_its_plot_even_on_error_and_bad_input_draws_non
     from grpo_cli.cli import train
     from grpo_cli.errors import UserError
 
-    def run(cfg, run_dir, on_start=None):
+    def run(cfg, run_dir, on_start=None, d=None):
         on_start()
         fake_run(run_dir, steps=3)
         raise UserError("could not write checkpoint: disk full")
@@ -398,7 +398,7 @@ def test_a_run_that_trained_draws_its_plot_even_on_error_and_bad_input_draws_non
     assert "could not draw the plots" in capsys.readouterr().err
 
     def bad_resume(
-        cfg, run_dir, on_start=None
+        cfg, run_dir, on_start=None, d=None
     ):  # bad input found before training: the folder is left as it was
         raise UserError("trainer.resume=auto found no checkpoint")
 

@@ -85,10 +85,19 @@ def collect() -> dict[str, Any]:
             )
     cuda = bf16 = False
     gpu_name = vram = None
+    info.update(gpu_count=0, gloo_available=False, nccl_available=False)
     if info["packages"].get("torch"):
         import torch
+        import torch.distributed as dist
+
+        from grpo_cli.distributed import launched_world_size
 
         cuda = torch.cuda.is_available()
+        info["gpu_count"] = torch.cuda.device_count() if cuda else 0
+        if dist.is_available():
+            info["gloo_available"] = dist.is_gloo_available()
+            info["nccl_available"] = dist.is_nccl_available()
+        info["launched_world_size"] = launched_world_size()
         if cuda:
             gpu_name = torch.cuda.get_device_name(0)
             vram = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -100,6 +109,29 @@ def collect() -> dict[str, Any]:
     info["recommended_precision"] = precision
     info["recommended_precision_reason"] = why
     return info
+
+
+def _yes(flag: bool) -> str:
+    return "available" if flag else "not available"
+
+
+def processes_line(info: dict[str, Any]) -> str:
+    """How many processes a run would use here, and how (grpo_cli/distributed.py)."""
+    launched = info.get("launched_world_size", 1)
+    if launched > 1:
+        return f"{launched} (started by torchrun: WORLD_SIZE={launched})"
+    gpus = info["gpu_count"]
+    if gpus:
+        return (
+            f"1 by default; trainer.num_processes=N (N <= {gpus}) or torchrun --nproc_per_node={gpus}: one GPU "
+            f"each, {'NCCL' if info['nccl_available'] else 'gloo (NCCL is missing)'}"
+        )
+    cores = info["cpu_cores"] or 1
+    return (
+        f"1 by default; trainer.num_processes=N runs N CPU processes with gloo, {cores} cores shared "
+        f"({max(1, cores // 2)} thread(s) each at N=2)"
+        + ("" if info["gloo_available"] else " (gloo is missing: one process only)")
+    )
 
 
 def format_report(info: dict[str, Any]) -> str:
@@ -116,6 +148,9 @@ def format_report(info: dict[str, Any]) -> str:
         f"  vram             {gib(info['vram_gib']) if info['vram_gib'] else '-'}",
         f"  bf16 supported   {info['bf16_supported']}",
         f"  precision        {info['recommended_precision']} ({info['recommended_precision_reason']})",
+        f"  gpus             {info['gpu_count']}",
+        f"  distributed      gloo {_yes(info['gloo_available'])}, nccl {_yes(info['nccl_available'])}",
+        f"  processes        {processes_line(info)}",
         "  packages:",
     ]
     for name, version in info["packages"].items():

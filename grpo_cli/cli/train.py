@@ -250,6 +250,7 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: b
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     n = cfg.trainer.num_processes
+    _check_devices(cfg, n)
     args = _config_flags(sys.argv[1:]) + list(overrides) + [f"hydra.run.dir={run_dir}"]
     try:
         distributed.launch(_entry_command(), args, n, cfg.trainer.distributed_timeout)
@@ -270,6 +271,27 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: b
         ) from None
     except SignalException as exc:  # Ctrl-C: the workers finished their step, saved and said so
         raise SystemExit(128 + int(exc.sigval)) from None
+
+
+def _check_devices(cfg: DictConfig, n: int) -> None:
+    """One GPU per process: refuse more processes than GPUs before any worker starts."""
+    import torch
+
+    from grpo_cli.precision import resolve_device
+
+    try:
+        device = resolve_device(cfg.trainer.device)
+    except UserError as exc:
+        raise RunFailed("grpo-train", [str(exc)]) from exc
+    if device.type == "cuda" and n > torch.cuda.device_count():
+        raise RunFailed(
+            "grpo-train",
+            [
+                f"trainer.num_processes={n}, but this machine has {torch.cuda.device_count()} GPU(s) and each "
+                f"process needs its own; set trainer.num_processes={torch.cuda.device_count()} (or fewer), or "
+                "use several machines with torchrun (README: More than one device)."
+            ],
+        )
 
 
 def _entry_command() -> list[str]:

@@ -1,0 +1,150 @@
+"""One process vs two (DDP, FSDP2) on this machine, and what FSDP2's decode loop pays to gather
+the model: a sanity figure on a CPU (two processes share its cores), the real gains need GPUs.
+
+    python scripts/bench_distributed.py [--steps 4] [--json docs/bench_distributed.json]
+
+Part 1 trains the default recipe (SmolLM2-135M, 4 prompts x 8 completions) for --steps steps
+with 1 process (all cores), 2 processes with DDP and 2 with FSDP2 (one core each here), the
+three runs one after the other, and reports each phase's median seconds per step (step 1, which
+includes the self-check and warm-up, is left out).
+
+Part 2 (under torchrun, 2 processes, FSDP2): the time to gather the whole model once
+(distributed.full_weights, what each rollout and each evaluation pays) against the time of one
+decode step (8 rows, one token each) with the model gathered and with FSDP2 gathering every
+layer inside the forward (what a decode loop without full_weights would pay per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ["trainer.eval_before=false", "data.eval_size=8", "trainer.save_steps=1000", "trainer.quiet=true"]
+CASES = {
+    "1 process": [],
+    "2 processes, ddp": ["trainer.num_processes=2"],
+    "2 processes, fsdp": ["trainer.num_processes=2", "trainer.distributed=fsdp"],
+}
+PHASES = ("step_time", "time/rollout", "time/reward", "time/policy", "time/optimizer")
+
+
+def train(name: str, steps: int, work: Path) -> dict[str, float]:
+    run = work / name.replace(" ", "_").replace(",", "")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("OMP_NUM_THREADS", None)  # one process: every core; two: the launcher shares them
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_cli.cli.train",
+        *RECIPE,
+        f"trainer.max_steps={steps}",
+        f"hydra.run.dir={run}",
+    ]
+    res = subprocess.run(cmd + CASES[name], capture_output=True, text=True, env=env, cwd=work)
+    if res.returncode:
+        raise SystemExit(f"{name} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("step", 0) >= 2 and "step_time" in r]
+    return {p: statistics.median(r[p] for r in rows) for p in PHASES}
+
+
+def gather_worker(out: Path) -> None:
+    """Under torchrun: SmolLM2 sharded by FSDP2; time full_weights vs one decode step."""
+    import torch
+
+    from grpo_cli import distributed
+    from grpo_cli.config import ModelConfig
+    from grpo_cli.models import load_model, resolve_source
+
+    d = distributed.from_env()
+    distributed.join(d, "cpu", 600)
+    m = ModelConfig()  # the default model (its offline copy)
+    source = resolve_source(
+        m.name_or_path, m.gguf_file, offline_wheel=m.offline_wheel, offline_gguf=m.offline_gguf
+    )
+    model = load_model(source, device=torch.device("cpu"), trainable=False)
+    distributed.shard_model(model)
+    ids = torch.randint(0, 1000, (8, 1))
+
+    def one_token():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+
+    def timed(fn, n=5):
+        ts = []
+        for _ in range(n):
+            d.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def gather():
+        with distributed.full_weights(model):
+            pass
+
+    result = {"gather_whole_model_s": timed(gather), "decode_step_sharded_s": timed(one_token)}
+    with distributed.full_weights(model):
+        result["decode_step_gathered_s"] = timed(one_token)
+    if d.is_main:
+        out.write_text(json.dumps(result))
+    distributed.leave()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--gather-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.gather_worker:
+        gather_worker(args.gather_worker)
+        return
+    results: dict = {"steps": args.steps, "cpu_cores": os.cpu_count(), "training": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in CASES:
+            results["training"][name] = train(name, args.steps, work)
+            print(f"{name}: done", file=sys.stderr, flush=True)
+        out = work / "gather.json"
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
+        }
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        res = subprocess.run(
+            cmd + [__file__, "--gather-worker", str(out)], capture_output=True, text=True, env=env, cwd=work
+        )
+        if res.returncode:
+            raise SystemExit(f"gather benchmark failed:\n{res.stderr[-4000:]}")
+        results["fsdp_decode"] = json.loads(out.read_text())
+
+    base = results["training"]["1 process"]["step_time"]
+    print(f"\nmedian seconds per step (steps 2-{args.steps}), default recipe, {os.cpu_count()} CPU cores")
+    print(f"{'case':<20}" + "".join(f"{p.split('/')[-1]:>11}" for p in PHASES) + f"{'vs 1 proc':>11}")
+    for name, row in results["training"].items():
+        print(
+            f"{name:<20}" + "".join(f"{row[p]:>11.2f}" for p in PHASES) + f"{row['step_time'] / base:>10.2f}x"
+        )
+    g = results["fsdp_decode"]
+    print(
+        f"\nFSDP2 decode, 2 processes: gather the whole model once {g['gather_whole_model_s'] * 1e3:.1f} ms; "
+        f"one decode step {g['decode_step_gathered_s'] * 1e3:.1f} ms gathered vs "
+        f"{g['decode_step_sharded_s'] * 1e3:.1f} ms gathering each layer in the forward"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
