@@ -61,15 +61,17 @@ def gather_worker(out: Path) -> None:
     import torch
 
     from grpo_cli import distributed
-    from grpo_cli.config import ModelConfig
-    from grpo_cli.models import load_model, resolve_source
+    from hydra import compose, initialize_config_module
+
+    from grpo_cli.build import build_tokenizer
+    from grpo_cli.config import to_typed
+    from grpo_cli.models import load_model
 
     d = distributed.from_env()
     distributed.join(d, "cpu", 600)
-    m = ModelConfig()  # the default model (its offline copy)
-    source = resolve_source(
-        m.name_or_path, m.gguf_file, offline_wheel=m.offline_wheel, offline_gguf=m.offline_gguf
-    )
+    with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
+        cfg = to_typed(compose(config_name="config"))  # the default model (its offline copy)
+    source, _ = build_tokenizer(cfg, lambda *a: None)
     model = load_model(source, device=torch.device("cpu"), trainable=False)
     distributed.shard_model(model)
     ids = torch.randint(0, 1000, (8, 1))
