@@ -37,6 +37,14 @@ CASES = {
     "accumulation": ["loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
     "dynamic-sampling": ["trainer.dynamic_sampling=true", "reward.code.fn=reward_fixtures:plus_parity"],
     "batch-scale": ["loss.scale_rewards=batch", "trainer.num_iterations=2"],
+    # LoRA adapters under DDP (the reference: the same model with its adapters disabled)
+    "lora": [
+        "adapter=lora",
+        "adapter.r=4",
+        "loss.beta=0.04",
+        "optimizer.learning_rate=1e-2",
+        "trainer.gradient_accumulation_steps=2",
+    ],
     # FSDP2 (one process: the same run unsharded)
     "fsdp": ["trainer.distributed=fsdp", "loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
     "fsdp-dynamic-sampling": [
