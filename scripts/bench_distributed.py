@@ -59,10 +59,9 @@ def train(name: str, steps: int, work: Path) -> dict[str, float]:
 def gather_worker(out: Path) -> None:
     """Under torchrun: SmolLM2 sharded by FSDP2; time full_weights vs one decode step."""
     import torch
-
-    from grpo_cli import distributed
     from hydra import compose, initialize_config_module
 
+    from grpo_cli import distributed
     from grpo_cli.build import build_tokenizer
     from grpo_cli.config import to_typed
     from grpo_cli.models import load_model
