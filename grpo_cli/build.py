@@ -219,8 +219,8 @@ class Parts:
     resumed_from: Path | None
     # The training forward (logprobs.TokenLogprobs on the policy; under W processes wrapped in
     # DDP, which all-reduces the gradients) and this process's place among the ranks.
-    scorer: Any = None
-    dist: Dist = Dist()
+    scorer: Any
+    dist: Dist
 
 
 def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:

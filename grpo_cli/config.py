@@ -347,7 +347,7 @@ def validate(cfg: Any) -> list[str]:
     # (ref 004: "batch size must be a multiple of num_generations"). With W processes each rank
     # trains on prompts_per_step / W prompts in gradient_accumulation_steps micro-batches.
     P, A = tr.prompts_per_step, tr.gradient_accumulation_steps
-    problems.extend(_validate_processes(tr, G))
+    problems.extend(_validate_processes(tr))
     W = _world_size(tr)
     if P >= 1 and A >= 1 and W >= 1 and P % (A * W) != 0:
         if W == 1:
@@ -410,7 +410,7 @@ def _world_size(tr: Any) -> int:
     return tr.num_processes if tr.num_processes > 1 else launched_world_size()
 
 
-def _validate_processes(tr: Any, G: int) -> list[str]:
+def _validate_processes(tr: Any) -> list[str]:
     from grpo_cli.distributed import launched_world_size
 
     problems = []

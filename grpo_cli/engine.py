@@ -15,7 +15,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from grpo_cli.config import Config
 from grpo_cli.distributed import full_weights, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
 from grpo_cli.evaluate import evaluate, score_examples
-from grpo_cli.logprobs import TokenLogprobs, token_logprobs
+from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
     group_advantages,
     grpo_loss,
@@ -92,8 +92,9 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
     device, precision, G, d = parts.device, parts.precision, s.num_generations, parts.dist
     # What the optimizer updates, grad clipping and grad_norm cover: every weight, or the adapters'.
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    # The training forward: token_logprobs as a module (under DDP with several processes).
-    scorer = parts.scorer or TokenLogprobs(policy, temperature=s.temperature, shared_prompt=parts.fast_paths)
+    scorer = (
+        parts.scorer
+    )  # the training forward: token_logprobs as a module (under DDP with several processes)
     scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
     if scaler is not None and state.grad_scaler:
         scaler.load_state_dict(state.grad_scaler)
@@ -491,23 +492,14 @@ def _gather_scored(d, scored, device, pad_id: int):
     """Every rank's (rollout, totals, per-reward values), joined in rank order (= prompt order)."""
     if not d.enabled:
         return scored
-    cpu = None if scored is None else (_to(scored[0], "cpu"), scored[1], scored[2])
+    cpu = None if scored is None else (scored[0].to("cpu"), scored[1], scored[2])
     parts = [p for p in d.gather(cpu) if p is not None]
-    rollout = _to(concat([p[0] for p in parts], pad_id), device)
+    rollout = concat([p[0] for p in parts], pad_id).to(device)
     per_reward: dict[str, list] = {}
     for p in parts:
         for name, values in p[2].items():
             per_reward.setdefault(name, []).extend(values)
     return rollout, [v for p in parts for v in p[1]], per_reward
-
-
-def _to(rollout: Rollout, device) -> Rollout:
-    return Rollout(
-        **{
-            f.name: None if getattr(rollout, f.name) is None else getattr(rollout, f.name).to(device)
-            for f in fields(Rollout)
-        }
-    )
 
 
 def _reference_logprobs(

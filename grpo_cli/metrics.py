@@ -79,16 +79,14 @@ class MetricsLogger:
         self.console = Console(stderr=False, quiet=quiet)
         self.rows: list[dict] = []
         try:
-            if not writer:
-                pass
-            elif resume_step and self.path.exists():
+            if writer and resume_step and self.path.exists():
                 kept = [
                     line
                     for line in self.path.read_text().splitlines()
                     if line.strip() and _step_of(line) <= resume_step
                 ]
                 write_atomic(self.path, "".join(line + "\n" for line in kept))
-            elif self.path.exists():
+            elif writer and self.path.exists():
                 self.path.unlink()
         except OSError as exc:
             raise _write_error(self.path, exc) from exc

@@ -46,6 +46,15 @@ class Rollout:
         """(prompt_ids, prompt_mask, completion_ids, completion_mask): what logprobs.token_logprobs scores."""
         return self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask
 
+    def to(self, device) -> Rollout:
+        """The rollout with every tensor on `device` (gathered across processes on the CPU)."""
+        return Rollout(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                for f in fields(self)
+            }
+        )
+
     def rows(self, index: torch.Tensor) -> Rollout:
         """A micro-batch: the rows `index` [n], without the prompt columns that are padding in all
         of them and the completion columns past their longest completion."""

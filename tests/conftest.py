@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 BIN = Path(sys.executable).parent
+TESTS = ROOT / "tests"
 
 
 def console_script(name: str) -> str:
@@ -24,6 +25,66 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None =
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def grpo_env(extra: dict | None = None) -> dict:
+    """The environment of a grpo-train run in a test: offline, one thread, tests/ importable
+    (reward fixtures, fault injection), and nothing of the caller's Hydra, fault or torchrun
+    settings unless `extra` sets them."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    for key in (
+        "HYDRA_FULL_ERROR",
+        "GRPO_TEST_FAULT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def grpo(
+    args: list[str],
+    cwd: Path,
+    *,
+    env: dict | None = None,
+    fault: str | None = None,
+    file_size_limit: int | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """Run grpo-train: the installed console script, or (with `fault`) the same entry point
+    through tests/reliability_helpers.py, which injects the fault first (and which
+    trainer.num_processes then runs in every worker)."""
+    import resource
+
+    extra = dict(env or {})
+    if fault:
+        cmd = [sys.executable, "-c", "import reliability_helpers as h; h.main()", *args]
+        extra["GRPO_TEST_FAULT"] = fault
+    else:
+        cmd = [console_script("grpo-train"), *args]
+
+    def limit():  # a disk that fills up: writes past this size fail (EFBIG, like ENOSPC)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run(
+        cmd,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=grpo_env(extra),
+        preexec_fn=limit if file_size_limit else None,
+    )
 
 
 @pytest.fixture
@@ -43,7 +104,7 @@ def compose():
 
 # A test that starts a process (a console script, a fault-injecting grpo-train) is in the slow
 # tier; `pytest -m "not slow"` runs the rest, the inner loop of development (under 2 minutes).
-_STARTS_A_PROCESS = ("run_cli(", "console_script(", "subprocess.", "start(")
+_STARTS_A_PROCESS = ("run_cli(", "console_script(", "subprocess.", "start(", "grpo(")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,38 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, console_script
+from conftest import TESTS, console_script, grpo, grpo_env
 
 from grpo_cli.distributed import prompt_seed, shard
-
-TESTS = ROOT / "tests"
-
-
-def _env(extra: dict | None = None) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        **(extra or {}),
-    }
-    for key in ("HYDRA_FULL_ERROR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in (extra or {}):
-            env.pop(key, None)
-    return env
-
-
-def grpo(args: list[str], cwd: Path, *, fault: str | None = None, timeout: float = 300, env=None):
-    """grpo-train (or, with `fault`, the same entry point through reliability_helpers, which the
-    launcher then runs in every worker)."""
-    extra = dict(env or {})
-    if fault:
-        cmd = [sys.executable, "-c", "import reliability_helpers as h; h.main()", *args]
-        extra["GRPO_TEST_FAULT"] = fault
-    else:
-        cmd = [console_script("grpo-train"), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(extra))
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -168,7 +138,7 @@ def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folde
         ],
     }
     for cmd in runs.values():
-        res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
+        res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=grpo_env())
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     base = load_file(Path(tiny_folder) / "model.safetensors")
     for case in distributed_helpers.CASES:
@@ -305,7 +275,7 @@ def test_ctrl_c_stops_every_process_saves_and_says_how_to_resume_once(tmp_path):
     proc = subprocess.Popen(
         [console_script("grpo-train"), *args],
         cwd=tmp_path,
-        env=_env(),
+        env=grpo_env(),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -22,11 +22,9 @@ import ast
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import ROOT, console_script
+from conftest import ROOT, console_script, grpo, grpo_env
 
 # Console scripts and end-to-end runs: the slow tier (pytest -m "not slow" skips them).
 pytestmark = pytest.mark.slow
@@ -56,57 +54,11 @@ LENGTH = ["reward=[length]", "reward.length.unit=chars", "reward.length.target=3
 TIMING = ("step_time", "tokens_per_second")
 
 
-def _env(extra: dict | None = None) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    }
-    for key in ("HYDRA_FULL_ERROR", "GRPO_TEST_FAULT"):
-        env.pop(key, None)
-    env.update(extra or {})
-    return env
-
-
-def grpo(
-    args: list[str],
-    cwd: Path,
-    *,
-    env: dict | None = None,
-    fault: str | None = None,
-    file_size_limit: int | None = None,
-    timeout: float = 300,
-) -> subprocess.CompletedProcess:
-    """Run grpo-train: the installed console script, or (with `fault`) the same entry point
-    through tests/reliability_helpers.py, which injects the fault first."""
-    extra = dict(env or {})
-    if fault:
-        cmd = [sys.executable, "-c", "import reliability_helpers as h; h.main()", *args]
-        extra["GRPO_TEST_FAULT"] = fault
-    else:
-        cmd = [console_script("grpo-train"), *args]
-
-    def limit():  # a disk that fills up: writes past this size fail (EFBIG, like ENOSPC)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
-    return subprocess.run(
-        cmd,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(extra),
-        preexec_fn=limit if file_size_limit else None,
-    )
-
-
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [console_script("grpo-train"), *args],
         cwd=cwd,
-        env=_env(),
+        env=grpo_env(),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
