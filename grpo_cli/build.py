@@ -32,7 +32,7 @@ from grpo_cli.models import (
     tested_architecture,
 )
 from grpo_cli.optim import build_optimizer
-from grpo_cli.precision import Precision, resolve_device, resolve_precision
+from grpo_cli.precision import MasterWeights, Precision, resolve_device, resolve_precision, to_weights_dtype
 from grpo_cli.rewards import REGISTRY, RewardSpec, build_rewards
 
 
@@ -158,16 +158,23 @@ def load_policy(
     if a.name == "none":
         where = ModelSource(str(resume_from), None, f"checkpoint {resume_from}") if resume_from else source
         key = "trainer.resume" if resume_from else "model.name_or_path"
-        return load_model(
+        model = load_model(
             where, device=device, trainable=trainable, gradient_checkpointing=gc, key=key, **_model_kw(cfg)
         )
+        # Loaded in fp32 either way: a model to train keeps these fp32 values as its master
+        # weights (build_training); one to evaluate is stored in the precision's dtype now.
+        if not trainable and precision.weights_dtype is not None:
+            to_weights_dtype(model, precision.weights_dtype)
+        return model
     import torch
 
     quantized = a.quantization == "4bit"
     check_quantization(a.quantization, device)
     # The frozen base needs no fp32 master copy: under bf16/fp16 it is stored in that dtype (half
     # the memory, and the CPU's bf16 units run it); the adapters stay fp32 (PEFT's default).
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.name)
+    half = {"bf16": torch.bfloat16, "bf16-autocast": torch.bfloat16, "fp16": torch.float16}.get(
+        precision.name
+    )
     base = load_model(
         source,
         device=device,
@@ -212,6 +219,7 @@ class Parts:
     scheduler: Any
     device: Any
     precision: Precision
+    masters: MasterWeights | None  # trainer.precision=bf16 (full model): what the optimizer steps
     eos_ids: list[int]
     fast_paths: bool  # the model's type is in the tested matrix (models.tested_architecture)
     total_steps: int
@@ -234,7 +242,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         import torch
 
         device = torch.device("cuda", d.local_rank)
-    precision = resolve_precision(t.precision, device)
+    precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
     check_quantization(cfg.adapter.quantization, device)
     resume_from = loaded = None
     changed: list[str] = []
@@ -297,8 +305,12 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         )
 
     policy = load_policy(cfg, source, device, precision, trainable=True, resume_from=resume_from)
+    masters = None
     if fsdp:  # before the optimizer: it steps this process's shards
-        shard_model(policy)
+        # (bf16: FSDP2's mixed precision is the same scheme: fp32 shards, bf16 gathered weights.)
+        shard_model(policy, param_dtype=precision.weights_dtype)
+    elif precision.weights_dtype is not None:  # bf16 weights, the fp32 ones become the masters
+        masters = MasterWeights(policy, precision.weights_dtype)
     if is_adapted(policy):
         console.print(
             f"adapter: LoRA r={cfg.adapter.r} alpha={cfg.adapter.alpha:g} on "
@@ -313,12 +325,14 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             if is_adapted(policy)
             else load_model(source, device=device, trainable=False, **_model_kw(cfg))
         )
+        if ref is not policy and precision.weights_dtype is not None:
+            to_weights_dtype(ref, precision.weights_dtype)  # as the policy's (not from_pretrained's)
         if fsdp and ref is not policy:
             shard_model(ref)
 
     o = cfg.optimizer
     optimizer, scheduler = build_optimizer(
-        policy.parameters(),  # the trainable ones: with adapters, only theirs
+        masters.params if masters else policy.parameters(),  # the trainable ones (adapters': theirs)
         learning_rate=o.learning_rate,
         weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1,
@@ -374,6 +388,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         scheduler=scheduler,
         device=device,
         precision=precision,
+        masters=masters,
         eos_ids=eos_token_ids(tokenizer, policy),
         fast_paths=fast_paths,
         total_steps=total_steps,

@@ -21,6 +21,7 @@ run are ignored and removed by the next save or resume.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -168,11 +169,13 @@ def save_checkpoint(
     keep_last: int,
     rng_ranks: list[dict[str, Any]] | None = None,
     dist=None,
+    state_dict: dict[str, Any] | None = None,
 ) -> Path:
     """Checkpoint `step-<state.step>`: the model, tokenizer, optimizer, scheduler, config and
     `state` with every RNG's current state (rng_ranks: every rank's, gathered; default this
     process's). A model sharded by FSDP2 is saved by every process together (`dist`: this
-    process's distributed.Dist); otherwise only rank 0 calls this."""
+    process's distributed.Dist); otherwise only rank 0 calls this. `state_dict`: the weights to
+    write instead of the model's own (precision bf16: the fp32 master weights)."""
     from grpo_cli.distributed import Dist, is_sharded
 
     d = dist or Dist()
@@ -209,9 +212,11 @@ def save_checkpoint(
             # save_embedding_layers=False: PEFT's "auto" would ask the hub about the base model on
             # every save (no embedding layer is adapted here).
             extra = {"save_embedding_layers": False} if is_adapted(model) else {}
-            if sharded:
-                extra["state_dict"] = full  # the whole model, gathered above
+            if sharded or state_dict is not None:
+                extra["state_dict"] = full if sharded else state_dict  # (FSDP: gathered above)
             model.save_pretrained(tmp, safe_serialization=True, **extra)
+            if state_dict is not None:  # config.json names the model's (bf16) dtype, not the file's
+                _set_config_dtype(tmp / "config.json", "float32")
             tokenizer.save_pretrained(tmp)
             if not sharded:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -263,6 +268,16 @@ def load_sharded(path: Path, model, optimizer) -> None:
     saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=path / SHARDED_DIR)
     set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+
+
+def _set_config_dtype(config_json: Path, dtype: str) -> None:
+    """Record `dtype` as the weights' dtype in a saved config.json (from_pretrained(dtype="auto")
+    reads it)."""
+    config = json.loads(config_json.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = dtype
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _disk_hint(root: Path) -> str:

@@ -162,7 +162,7 @@ class TrainerConfig:
     eval_steps: int = 0  # 0: evaluate only at the end
     eval_before: bool = True  # also evaluate before the first step, to print before -> after
     seed: int = 0
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    precision: str = "auto"  # auto | fp32 | bf16 (bf16 weights, fp32 masters) | bf16-autocast | fp16
     gradient_checkpointing: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dynamic_sampling: bool = False

@@ -254,12 +254,15 @@ def gradient_sync(scorer, last: bool):
     return scorer.no_sync()
 
 
-def shard_model(model) -> None:
+def shard_model(model, param_dtype=None) -> None:
     """FSDP2 (trainer.distributed=fsdp): shard each decoder layer (the block classes transformers
     names in the model's _no_split_modules, as accelerate's auto-wrap does), then the rest (the
     embeddings, final norm and head) with the whole model. Parameters become DTensors holding
-    this process's shard; each forward all-gathers a layer's weights just before it runs."""
-    from torch.distributed.fsdp import fully_shard
+    this process's shard; each forward all-gathers a layer's weights just before it runs.
+    param_dtype (trainer.precision=bf16): the shards stay fp32 (the master weights the optimizer
+    steps) and are gathered in bf16 for compute; gradients are reduced in fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from grpo_cli.errors import UserError
 
@@ -270,9 +273,11 @@ def shard_model(model) -> None:
             f"trainer.distributed=fsdp shards a model layer by layer, but {type(model).__name__} names no "
             "decoder-layer class (its _no_split_modules is empty); use trainer.distributed=ddp."
         )
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mp_policy": mp} if mp else {}
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def is_sharded(model) -> bool:

@@ -90,8 +90,10 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         parts.state,
     )
     device, precision, G, d = parts.device, parts.precision, s.num_generations, parts.dist
-    # What the optimizer updates, grad clipping and grad_norm cover: every weight, or the adapters'.
-    trainable = [p for p in policy.parameters() if p.requires_grad]
+    # What the optimizer updates, grad clipping and grad_norm cover: every weight, or the adapters';
+    # under trainer.precision=bf16 the fp32 master copies of the (bf16) model's weights.
+    masters = parts.masters
+    trainable = masters.params if masters else [p for p in policy.parameters() if p.requires_grad]
     scorer = (
         parts.scorer
     )  # the training forward: token_logprobs as a module (under DDP with several processes)
@@ -143,6 +145,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 keep_last=t.keep_last,
                 rng_ranks=rng_ranks,
                 dist=d,
+                state_dict=masters.state_dict(policy) if masters else None,  # the fp32 weights
             )
         return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
 
@@ -282,6 +285,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 #    momentum and weight decay would still move the weights.
                 tick = time.perf_counter()
                 loss_total = d.sum([loss_total])[0]  # the step's loss: every rank decides alike
+                if masters:  # the bf16 gradients, summed over micro-batches (and ranks), into fp32
+                    masters.take_grads()
                 if scaler:
                     scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.max_grad_norm)
@@ -289,7 +294,11 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 updates.update(loss_total, grad_norm)
                 finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
                 if not finite or not signal_:
-                    where = "" if finite or not math.isfinite(loss_total) else guards.nonfinite_grads(policy)
+                    where = (
+                        ""
+                        if finite or not math.isfinite(loss_total)
+                        else guards.nonfinite_grads(masters or policy)
+                    )
                     optimizer.zero_grad(set_to_none=True)
                     if scaler:
                         scaler.update()
@@ -304,6 +313,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     scaler.update()
                 else:
                     optimizer.step()
+                if masters:  # the updated fp32 weights, rounded, into the bf16 model
+                    masters.put_weights()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 applied += 1

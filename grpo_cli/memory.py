@@ -60,7 +60,7 @@ CUDA_RUNTIME_BYTES = int(0.8 * GIB)
 HEADROOM = 0.10
 
 METHODS = ("full", "lora", "qlora")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp16")
 
 # The real config.json values (those that set the shapes) of the shipped presets' models and a
 # common larger one, so their estimates need neither the hub nor the Hugging Face cache.
@@ -407,8 +407,10 @@ def estimate(
 ) -> MemoryEstimate:
     """Peak memory of training `shape` with `method`, counted as the trainer stores things.
 
-    full: fp32 master weights (4 B/param; bf16/fp16 only autocast the forward), fp32 gradients (4),
+    full: fp32 weights (4 B/param; bf16-autocast/fp16 only autocast the forward), fp32 gradients (4),
       AdamW's two fp32 moments (8); with beta > 0 the reference model is a second fp32 copy (4).
+      precision bf16: bf16 weights plus their fp32 master copies (2 + 4), the gradients moved into
+      fp32 (4; the bf16 ones are freed as they move), a bf16 reference (2).
     lora: the frozen base in fp32 (4 B/param) with precision fp32, else in bf16/fp16 (2); the
       adapters (lora_parameters) train in fp32: 4 + 4 grads + 8 AdamW = 16 B each; the reference
       is the same model with its adapters disabled (0).
@@ -425,7 +427,10 @@ def estimate(
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     n = shape.total_params
-    if method == "full":
+    if method == "full" and precision == "bf16":  # bf16 weights + their fp32 master copies
+        weights, trainable = (HALF_BYTES + FP32_BYTES) * n, n
+        reference = HALF_BYTES * n if beta > 0 else 0
+    elif method == "full":
         weights, trainable = FP32_BYTES * n, n
         reference = FP32_BYTES * n if beta > 0 else 0
     else:

@@ -15,14 +15,28 @@ from grpo_cli.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "bf16-autocast", "fp16")
 
 
 @dataclass(frozen=True)
 class Precision:
-    name: str  # fp32 | bf16 | fp16
+    """How a run computes (trainer.precision):
+
+    fp32           fp32 weights, fp32 compute.
+    bf16           bf16 weights with fp32 master weights: the sampler and the training
+                   forward/backward run on bf16 weights (half the bytes to stream, the bf16 units
+                   of the GPU or CPU); the optimizer keeps an fp32 copy of every trained weight
+                   and its moments (MasterWeights) and rounds it into the model after each update.
+                   With LoRA the frozen base is bf16 and the adapters stay fp32 (no copy needed).
+    bf16-autocast  fp32 weights, forward passes under bf16 autocast (every weight is cast at each
+                   use: slower than bf16 on the CPU, the same memory as fp32 for the weights).
+    fp16           fp32 weights, fp16 autocast and a grad scaler (GPUs without bf16).
+    """
+
+    name: str  # fp32 | bf16 | bf16-autocast | fp16
     autocast_dtype: torch.dtype | None  # None: no autocast
     use_grad_scaler: bool
+    weights_dtype: torch.dtype | None = None  # bf16: the model's weights are stored in it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,28 +54,52 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_precision(name: str, device: torch.device) -> Precision:
-    """Master weights stay fp32; bf16/fp16 run the forward passes under autocast.
+def auto_precision(device: torch.device) -> tuple[str, str]:
+    """What trainer.precision=auto picks on `device`, and why (grpo-check-env prints both)."""
+    import torch
 
-    `auto`: bf16 on a GPU that supports it, fp16 with a grad scaler on one that does not, fp32
-    on the CPU (ref 004 self-check). Sampling and training use the same setting, so the
-    sampler's log-probs and the trainer's agree (the step-0 check verifies it).
-    """
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "the GPU computes in bf16 natively; fp32 master weights keep small updates"
+        return "fp16", "the GPU has no bf16 support: fp16 autocast with a grad scaler"
+    return "fp32", (
+        "on the CPU auto stays fp32, the measured default recipe; trainer.precision=bf16 runs "
+        + ("~1.6x faster on this CPU's bf16 units" if cpu_has_bf16() else "only emulated on this CPU")
+    )
+
+
+def cpu_has_bf16() -> bool:
+    """The CPU has bf16 units (AVX512-BF16 or AMX) that oneDNN uses for bf16 matrix products."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
+        return False
+
+
+def resolve_precision(name: str, device: torch.device, *, adapted: bool = False) -> Precision:
+    """The Precision for trainer.precision=`name` on `device` (`auto`: see auto_precision).
+    Sampling and training use the same setting, so the sampler's log-probs and the trainer's
+    agree (the step-0 check verifies it). `adapted`: LoRA, whose frozen base is stored in bf16
+    and whose fp32 adapters run under bf16 autocast (no master copy needed)."""
     import torch
 
     cuda = device.type == "cuda"
     bf16_ok = torch.cuda.is_bf16_supported() if cuda else device.type == "cpu"
     if name == "auto":
-        name = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if cuda else "fp32"
+        name = auto_precision(device)[0]
     if name == "fp32":
         return Precision("fp32", None, False)
-    if name == "bf16":
+    if name in ("bf16", "bf16-autocast"):
         if not bf16_ok:
             raise UserError(
-                f"trainer.precision=bf16 but {torch.cuda.get_device_name(device)} has no bf16 "
+                f"trainer.precision={name} but {torch.cuda.get_device_name(device)} has no bf16 "
                 "support; use trainer.precision=fp16 (with a grad scaler) or fp32."
             )
-        return Precision("bf16", torch.bfloat16, False)
+        if name == "bf16-autocast" or adapted:
+            return Precision(name, torch.bfloat16, False)
+        return Precision("bf16", None, False, weights_dtype=torch.bfloat16)
     if name == "fp16":
         if not cuda:
             raise UserError(
@@ -69,7 +107,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
                 "use trainer.precision=fp32, or bf16 on a CPU with AMX/AVX512-bf16."
             )
         return Precision("fp16", torch.float16, True)
-    raise UserError(f"trainer.precision={name!r} is not one of auto, fp32, bf16, fp16.")
+    raise UserError(f"trainer.precision={name!r} is not one of {', '.join(PRECISIONS)}.")
 
 
 def autocast(device: torch.device, precision: Precision):
@@ -78,3 +116,61 @@ def autocast(device: torch.device, precision: Precision):
     if precision.autocast_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=precision.autocast_dtype)
+
+
+def to_weights_dtype(model, dtype: torch.dtype) -> None:
+    """Store `model`'s floating-point parameters in `dtype`, in place. Buffers stay as they are:
+    rotary embeddings' inv_freq rounded to bf16 would shift every position's angle."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
+class MasterWeights:
+    """fp32 master weights for a model whose weights are stored in bf16 (trainer.precision=bf16).
+
+    Why: bf16 keeps 8 bits of mantissa, so a weight of 0.05 moves in steps of 2.4e-4 and an
+    update of lr 1e-6 would round to nothing. The optimizer therefore steps fp32 copies (with
+    fp32 moments) that accumulate every update, and the model gets them rounded to bf16:
+
+        backward on the bf16 model -> take_grads (bf16 grads -> fp32 .grad of the copies)
+        -> clip, optimizer.step on the copies -> put_weights (copies -> model, rounded)
+
+    The copies start as the model's own fp32 tensors (loaded in fp32; no second fp32 copy is
+    made), then the model is converted to bf16. Tied weights are one parameter, so one copy.
+    """
+
+    def __init__(self, model, dtype: torch.dtype):
+        import torch
+
+        self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.params = [torch.nn.Parameter(p.detach()) for _, p in self.named]  # the fp32 tensors
+        to_weights_dtype(model, dtype)
+
+    def take_grads(self) -> None:
+        """The model's (bf16) gradients into the copies' .grad as fp32; the model's are freed."""
+        for (_, p), master in zip(self.named, self.params):
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    def put_weights(self) -> None:
+        """The copies, rounded to the model's dtype, into the model (after each update)."""
+        import torch
+
+        with torch.no_grad():
+            for (_, p), master in zip(self.named, self.params):
+                p.copy_(master)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The copies under the model's parameter names (guards.nonfinite_grads reads them)."""
+        return [(name, master) for (name, _), master in zip(self.named, self.params)]
+
+    def state_dict(self, model) -> dict[str, torch.Tensor]:
+        """`model`'s state dict with the fp32 copies in place of the bf16 weights: what a
+        checkpoint stores, so that a resumed run continues from the exact fp32 values. Tied
+        weights appear once, under the name named_parameters gives them (as save_pretrained
+        writes them)."""
+        own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state = {k: v for k, v in model.state_dict().items() if k in own}
+        state.update((name, master.detach()) for name, master in self.named_parameters())
+        return state

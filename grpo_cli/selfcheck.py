@@ -22,7 +22,7 @@ from grpo_cli.logprobs import model_logits, selective_logprobs
 # bf16 autocast on the CPU mean 0.027, max 0.21 (its logits are rounded to bf16). The tolerances
 # leave 5-10x room over those; fp16 (GPU only, not measured here) gets bf16's, although its
 # mantissa has three more bits.
-TOLERANCE = {"fp32": (1e-4, 5e-4), "bf16": (0.1, 1.0), "fp16": (0.1, 1.0)}
+TOLERANCE = {"fp32": (1e-4, 5e-4), "bf16": (0.1, 1.0), "bf16-autocast": (0.1, 1.0), "fp16": (0.1, 1.0)}
 
 
 class SelfCheckError(TrainingDiverged):

@@ -52,6 +52,20 @@ CASES = {
         "trainer.dynamic_sampling=true",
         "reward.code.fn=reward_fixtures:plus_parity",
     ],
+    # bf16 weights with fp32 masters (DDP reduces bf16 gradients; FSDP2's mixed precision), one
+    # step: a second would sample from weights that differ by bf16's rounding, so other tokens.
+    "bf16": [
+        "trainer.precision=bf16",
+        "loss.beta=0.04",
+        "trainer.gradient_accumulation_steps=2",
+        "trainer.max_steps=1",
+    ],
+    "fsdp-bf16": [
+        "trainer.distributed=fsdp",
+        "trainer.precision=bf16",
+        "loss.beta=0.04",
+        "trainer.max_steps=1",
+    ],
 }
 
 

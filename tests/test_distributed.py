@@ -115,8 +115,9 @@ def tiny_folder():
 
 def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folder):
     """Every case of distributed_helpers.CASES (every loss type with beta 0 and 0.04, gradient
-    accumulation, dynamic sampling, batch-wide scaling with two iterations, LoRA, FSDP2), trained 2
-    steps by 1 process and by 2 (torchrun): same samples, same advantages and normalisers,
+    accumulation, dynamic sampling, batch-wide scaling with two iterations, LoRA, FSDP2; bf16 weights
+    under DDP and FSDP2 for one step, within bf16's rounding), trained 2 steps by 1 process and by 2
+    (torchrun): same samples, same advantages and normalisers,
     gradients summed over the ranks, so the 2-process update equals the 1-process one up to fp32
     summation order. (The table of the issue note: printed with -s.)"""
     from safetensors.torch import load_file
@@ -142,8 +143,7 @@ def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folde
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     base = load_file(Path(tiny_folder) / "model.safetensors")
     for case in distributed_helpers.CASES:
-        a = weights(tmp_path / "w1" / case / "checkpoints" / "step-000002")
-        b = weights(tmp_path / "w2" / case / "checkpoints" / "step-000002")
+        a, b = (weights(max((tmp_path / w / case / "checkpoints").iterdir())) for w in ("w1", "w2"))
         assert a.keys() == b.keys(), case
         # The update: from the base weights; LoRA's, from its B matrices' zero start (A is compared as is).
         start = {k: base[k] if k in base else torch.zeros_like(a[k]) for k in a}
@@ -158,15 +158,19 @@ def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folde
             float(da.abs().max()),
         )
         print(f"{case:22s} max |w2 - w1| {max_diff:.2e}  max update {moved:.2e}  relative {rel:.2e}")
-        assert moved > 1e-4, case  # the weights moved (lr 1e-3)
-        assert rel < 1e-3 and max_diff < 1e-2 * moved, case
+        assert moved > 5e-4, case  # the weights moved (lr 1e-3)
+        # bf16: the forward and backward round differently for other batch shapes (2^-8 relative),
+        # and Adam turns a weight's gradient of rounding noise into +-lr either way: the update as a
+        # whole agrees within a few percent, single weights need not.
+        bf16 = "bf16" in case
+        assert rel < 0.1 if bf16 else (rel < 1e-3 and max_diff < 1e-2 * moved), case
         rows1, rows2 = metrics(tmp_path / "w1" / case), metrics(tmp_path / "w2" / case)
         assert [r["step"] for r in rows1] == [r["step"] for r in rows2], case
         for r1, r2 in zip(rows1, rows2):  # the metrics: rewards exactly (same samples), the rest closely
             for key in ("reward", "reward_std", "frac_reward_zero_std", "num_groups_sampled"):
                 assert r1[key] == r2[key], (case, key)
             for key, value in r1.items():
-                if isinstance(value, float) and "time" not in key and key != "tokens_per_second":
+                if isinstance(value, float) and "time" not in key and key != "tokens_per_second" and not bf16:
                     assert r2[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (case, key)
 
 

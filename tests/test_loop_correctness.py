@@ -141,11 +141,12 @@ def test_masked_truncation_leaving_no_token_skips_the_update(compose, tmp_path):
     assert row["skipped_updates/no_signal"] == 1 and row["grad_norm"] == 0.0
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
 @pytest.mark.parametrize("num_iterations", [1, 3])
 def test_old_logprobs_are_the_trainers_own_so_the_first_ratio_is_exactly_one_in_bf16(
-    compose, tmp_path, loss_calls, num_iterations
+    compose, tmp_path, loss_calls, num_iterations, precision
 ):
-    """Under bf16 autocast the KV-cache decode and the training forward round differently; the
+    """Under bf16 (weights or autocast) the KV-cache decode and the training forward round differently; the
     ratio's old log-probs are the training forward's (detached) from before the first update,
     so the first ratio is exactly 1 and later iterations reuse those same old log-probs. The
     sampler/trainer mismatch is logged instead."""
@@ -153,7 +154,7 @@ def test_old_logprobs_are_the_trainers_own_so_the_first_ratio_is_exactly_one_in_
         TINY
         + LENGTH
         + [
-            "trainer.precision=bf16",
+            f"trainer.precision={precision}",
             "trainer.max_steps=1",
             "trainer.prompts_per_step=2",
             "sampler.max_new_tokens=16",
@@ -238,7 +239,7 @@ def test_self_check_covers_every_micro_batch_of_the_first_step(compose, tmp_path
         run(cfg, tmp_path)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-autocast"])
 def test_self_check_names_a_temperature_mismatch_in_every_precision(
     compose, tmp_path, monkeypatch, precision
 ):

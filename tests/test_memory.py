@@ -147,6 +147,11 @@ def test_weights_gradients_optimizer_and_reference_terms():
         assert e.total < full0.total
     bf16 = memory.estimate(SHAPE, method="lora", lora_r=2, precision="bf16", **RUN)
     assert bf16.weights == 2 * 1000 + 4 * adapters  # the frozen base in bf16, the adapters in fp32
+    # precision=bf16, full: bf16 weights and their fp32 masters, a bf16 reference
+    bf16 = memory.estimate(SHAPE, method="full", precision="bf16", beta=0.04, **RUN)
+    assert (bf16.weights, bf16.gradients, bf16.optimizer, bf16.reference) == (6000, 4000, 8000, 2000)
+    autocast = memory.estimate(SHAPE, method="full", precision="bf16-autocast", beta=0.04, **RUN)
+    assert (autocast.weights, autocast.reference) == (4000, 4000)  # fp32 weights, cast at each use
 
 
 def test_activation_terms():
