@@ -226,7 +226,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             #    the first update (ref 000.1): on iteration 0 this very forward (ratio exactly 1 in any
             #    precision), later iterations reuse them. The sampler's log-probs measure the
             #    sampler/trainer mismatch and feed the optional TIS correction.
-            updates, check = UpdateStats(), None
+            updates, check = UpdateStats(grad_scaler=scaler is not None), None
             old_logps = torch.zeros_like(batch.sampler_logps) if t.num_iterations > 1 else None  # [N, C]
             is_weights = (
                 torch.ones_like(batch.sampler_logps) if lo.sampler_correction == "tis" else None
@@ -542,7 +542,9 @@ def _note_nonfinite(
     # until the scale is below 1, where scaling cannot help.
     benign = scaler is not None and what == "gradient" and scaler.get_scale() >= 1.0
     note = f"; grad scaler lowers its scale to {scaler.get_scale():g}" if scaler else ""
-    if not benign:
+    if benign:
+        updates.scaler_skips += 1
+    else:
         updates.faults.append(f"step {step}: non-finite {what} (loss={loss}, grad_norm={grad_norm}{where})")
     log.warn(
         f"step {step}: non-finite {what} (loss={loss}, grad_norm={grad_norm}{where}); optimizer step "

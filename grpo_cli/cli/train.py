@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli import distributed, plots
+from grpo_cli import distributed, memory, plots
 from grpo_cli.cli.sweep import RunFailed, Sweep
 from grpo_cli.config import Config, to_typed, validate
 from grpo_cli.errors import (
@@ -238,6 +238,15 @@ def _run_here(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep:
         if not in_sweep and d.is_main:
             _discard_if_nothing_trained(run_dir)
         raise
+    except Exception as exc:
+        if not memory.is_out_of_memory(exc):
+            raise
+        if not in_sweep and d.is_main:
+            _discard_if_nothing_trained(run_dir)
+        t = cfg.trainer
+        raise RunFailed(
+            "grpo-train", [memory.out_of_memory_advice(exc, t, cfg.sampler, str(t.device))]
+        ) from exc
     finally:  # however a run that trained ended: its curves (a failure here only warns)
         if started and d.is_main:
             plots.draw_safely(plots.draw_run, run_dir, prog="grpo-train")
