@@ -273,6 +273,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     scaled = loss * d.world_size if d.enabled else loss
                     with gradient_sync(scorer, last):
                         (scaler.scale(scaled) if scaler else scaled).backward()
+                    if masters and not d.enabled:  # bf16: sum the micro-batches in fp32
+                        masters.take_grads()
                     loss_total += float(loss.detach())
                     updates.add(stats, entropy, mb.completion_mask)
                 if iteration == 0 and check is not None:
@@ -285,7 +287,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 #    momentum and weight decay would still move the weights.
                 tick = time.perf_counter()
                 loss_total = d.sum([loss_total])[0]  # the step's loss: every rank decides alike
-                if masters:  # the bf16 gradients, summed over micro-batches (and ranks), into fp32
+                if masters:  # (DDP: the ranks' bf16 sum, reduced in the last backward) into fp32
                     masters.take_grads()
                 if scaler:
                     scaler.unscale_(optimizer)

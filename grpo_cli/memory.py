@@ -543,6 +543,7 @@ def out_of_memory_advice(exc: BaseException, trainer, sampler, device: str) -> s
     """One paragraph for a run that ran out of memory: what happened and the settings that make
     a step fit, biggest lever first (`trainer`, `sampler`: the run's config groups)."""
     where = "the GPU" if "CUDA" in str(exc) or device.startswith("cuda") else "the machine"
+    bf16 = "" if "bf16" in str(trainer.precision) else "; trainer.precision=bf16 halves the activations"
     first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     return (
         f"{where} ran out of memory ({first}). Make a step fit: raise "
@@ -550,7 +551,7 @@ def out_of_memory_advice(exc: BaseException, trainer, sampler, device: str) -> s
         f"micro-batch holds fewer prompts, or lower trainer.prompts_per_step (now {trainer.prompts_per_step}) "
         f"or sampler.max_new_tokens (now {sampler.max_new_tokens}); trainer.gradient_checkpointing=true "
         "trades compute for activation memory; adapter=lora (or qlora on a GPU) trains adapters instead of "
-        "every weight; trainer.precision=bf16 halves the activations. `grpo-check-env --model <model> "
+        f"every weight{bf16}. `grpo-check-env --model <model> "
         "<your overrides>` estimates the peak before a run. Checkpoints already written are kept: resume "
         "with trainer.resume=auto."
     )

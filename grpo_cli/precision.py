@@ -133,7 +133,8 @@ class MasterWeights:
     update of lr 1e-6 would round to nothing. The optimizer therefore steps fp32 copies (with
     fp32 moments) that accumulate every update, and the model gets them rounded to bf16:
 
-        backward on the bf16 model -> take_grads (bf16 grads -> fp32 .grad of the copies)
+        backward on the bf16 model -> take_grads (bf16 grads -> fp32 .grad of the copies,
+        after each micro-batch with one process, so they are summed in fp32)
         -> clip, optimizer.step on the copies -> put_weights (copies -> model, rounded)
 
     The copies start as the model's own fp32 tensors (loaded in fp32; no second fp32 copy is
@@ -148,9 +149,16 @@ class MasterWeights:
         to_weights_dtype(model, dtype)
 
     def take_grads(self) -> None:
-        """The model's (bf16) gradients into the copies' .grad as fp32; the model's are freed."""
+        """The model's (bf16) gradients added into the copies' .grad in fp32; the model's are freed.
+        Called after each micro-batch's backward, the micro-batches are summed in fp32 (one
+        process); under DDP once before clipping (its reduce needs the sum in the model's .grad)."""
         for (_, p), master in zip(self.named, self.params):
-            master.grad = None if p.grad is None else p.grad.float()
+            if p.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = p.grad.float()
+            else:
+                master.grad.add_(p.grad)
             p.grad = None
 
     def put_weights(self) -> None:

@@ -106,15 +106,21 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_logs_it_and_keeps_training(
 
 
 def test_running_out_of_memory_says_how_to_make_a_step_fit(compose, tmp_path, monkeypatch):
-    """A real allocation failure on the device (35 TB) in the middle of a step: one paragraph with
-    the settings that shrink a step, exit status 2, no traceback."""
+    """An allocation failure in the middle of a step (on a GPU a real one, 35 TB): one paragraph
+    with the settings that shrink a step, exit status 2, no traceback."""
     from grpo_cli import engine
     from grpo_cli.cli.sweep import RunFailed
     from grpo_cli.cli.train import _run_here
     from grpo_cli.distributed import Dist
 
     def sample(*args, **kwargs):
-        return torch.empty(2**45, dtype=torch.uint8, device=DEVICE)
+        if CUDA:  # a real one: 35 TB
+            return torch.empty(2**45, dtype=torch.uint8, device=DEVICE)
+        # (the CPU allocator's own words: a real 35 TB request may succeed under memory overcommit)
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 35184372088832 bytes. Error code 12 (Cannot allocate memory)"
+        )
 
     monkeypatch.setattr(engine, "sample", sample)
     cfg = compose(TINY + ["trainer.max_steps=1", "trainer.gradient_accumulation_steps=2"])

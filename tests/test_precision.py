@@ -128,6 +128,20 @@ def test_master_weights_keep_updates_that_bf16_would_round_away():
         assert torch.equal(model.weight, fp32.weight.to(torch.bfloat16))
 
 
+def test_master_weights_sum_micro_batch_gradients_in_fp32():
+    """Two micro-batches' bf16 gradients, taken after each backward: their sum is formed in fp32
+    (a bf16 .grad would round the sum once more)."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    masters = MasterWeights(model, torch.bfloat16)
+    grads = []
+    for x in (torch.tensor([[1.0, 3.0, 5.0, 7.0]]), torch.tensor([[1e-3, 1e-3, 1e-3, 1e-3]])):
+        model(x.to(torch.bfloat16)).sum().backward()
+        grads.append(model.weight.grad.float().clone())
+        masters.take_grads()
+    assert torch.equal(masters.params[0].grad, grads[0] + grads[1])
+    assert not torch.equal(masters.params[0].grad, (grads[0] + grads[1]).to(torch.bfloat16).float())
+
+
 def test_bf16_run_samples_and_trains_on_bf16_weights_while_the_optimizer_steps_fp32(compose, tmp_path):
     cfg, parts = _parts(compose, tmp_path, ["trainer.precision=bf16", "loss.beta=0.04"])
     policy, ref, masters = parts.policy, parts.ref, parts.masters

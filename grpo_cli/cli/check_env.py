@@ -156,7 +156,8 @@ def format_report(info: dict[str, Any]) -> str:
         f"  cuda available   {info['cuda_available']}",
         f"  gpu              {info['gpu_name'] or '-'}",
         f"  vram             {gib(info['vram_gib']) if info['vram_gib'] else '-'}",
-        f"  bf16 supported   {info['bf16_supported']}",
+        f"  bf16 supported   {info['bf16_supported']}"
+        + ("" if info["cuda_available"] else " (the CPU's bf16 units: AVX512-BF16 or AMX)"),
         f"  precision        {info['recommended_precision']} ({info['recommended_precision_reason']})",
         f"  gpus             {info['gpu_count']}",
         f"  distributed      gloo {_yes(info['gloo_available'])}, nccl {_yes(info['nccl_available'])}",

@@ -47,7 +47,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     t, s = cfg.trainer, cfg.sampler
     rewards = build_rewards(cfg.reward)
     device = resolve_device(t.device)
-    precision = resolve_precision(t.precision, device)
+    precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
     check_quantization(cfg.adapter.quantization, device)
     rows = read_data(cfg)
     source, tokenizer = build_tokenizer(cfg, log)
