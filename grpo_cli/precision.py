@@ -54,18 +54,27 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def auto_precision(device: torch.device) -> tuple[str, str]:
-    """What trainer.precision=auto picks on `device`, and why (grpo-check-env prints both)."""
+def pick_precision(cuda: bool, bf16: bool) -> tuple[str, str]:
+    """What trainer.precision=auto picks, and why (grpo-check-env prints both): `bf16` is whether
+    the GPU supports bf16 (with `cuda`), or whether the CPU has bf16 units (without)."""
+    if cuda and bf16:
+        return "bf16", "the GPU computes in bf16 natively; fp32 master weights keep small updates exact"
+    if cuda:
+        return "fp16", "the GPU lacks bf16; fp16 needs a grad scaler (grpo-cli uses one)"
+    if bf16:
+        return "bf16", (
+            "no CUDA GPU; this CPU has bf16 units (AVX512-BF16/AMX): bf16 weights with fp32 masters "
+            "step ~1.6x faster than fp32 and learned the default recipe as well (README: precision)"
+        )
+    return "fp32", "no CUDA GPU and no CPU bf16 units: fp32 (bf16 would only be emulated here)"
+
+
+def auto_precision(device: torch.device) -> str:
+    """trainer.precision=auto on `device` (pick_precision)."""
     import torch
 
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "the GPU computes in bf16 natively; fp32 master weights keep small updates"
-        return "fp16", "the GPU has no bf16 support: fp16 autocast with a grad scaler"
-    return "fp32", (
-        "on the CPU auto stays fp32, the measured default recipe; trainer.precision=bf16 runs "
-        + ("~1.6x faster on this CPU's bf16 units" if cpu_has_bf16() else "only emulated on this CPU")
-    )
+    cuda = device.type == "cuda"
+    return pick_precision(cuda, torch.cuda.is_bf16_supported() if cuda else cpu_has_bf16())[0]
 
 
 def cpu_has_bf16() -> bool:
@@ -88,7 +97,7 @@ def resolve_precision(name: str, device: torch.device, *, adapted: bool = False)
     cuda = device.type == "cuda"
     bf16_ok = torch.cuda.is_bf16_supported() if cuda else device.type == "cpu"
     if name == "auto":
-        name = auto_precision(device)[0]
+        name = auto_precision(device)
     if name == "fp32":
         return Precision("fp32", None, False)
     if name in ("bf16", "bf16-autocast"):

@@ -26,8 +26,9 @@ Per variant and case: step time median/min/max, completion tokens per second, pe
 the process's ru_maxrss, model loading included; GPU: torch.cuda.max_memory_allocated), the
 per-phase split (grpo-cli: its time/* metrics; TRL: its profiling contexts: generate,
 _prepare_inputs (generation + reference log-probs + rewards), compute_loss (the policy forward);
-floor: measured around each phase), and the ratio to TRL's better fp32 variant (and to its
-better bf16 one, where it ran).
+floor: measured around each phase), the share of weights the run's updates changed in the dtype
+the forward passes use ("moved": bf16 weights stepped directly keep most lr-1e-6 updates from
+landing), and the ratio to TRL's better fp32 variant (and to its better bf16 one, where it ran).
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def moved_fraction(before: dict, after: dict, dtype) -> float:
+    """The fraction of weights (elements) whose value, in the dtype the forward passes use,
+    changed between two state dicts: with lr 1e-6, bf16 weights stepped directly mostly stay
+    put (their spacing is ~1e-3 relative), weights with fp32 masters move when those cross it."""
+    import torch
+
+    changed = total = 0
+    for name, old in before.items():
+        new = after[name]
+        if not torch.is_floating_point(old):
+            continue
+        changed += int((old.to(dtype) != new.to(dtype)).sum())
+        total += old.numel()
+    return changed / max(total, 1)
+
+
 def emit(result: dict) -> None:
     print(MARK + json.dumps(result), flush=True)
 
@@ -140,8 +157,16 @@ def worker_grpo(spec: dict) -> None:
             raise
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("step", 0) > spec["warmup"] and "step_time" in r]
+    import torch
+    from safetensors.torch import load_file
+
+    final = max((run_dir / "checkpoints").iterdir())
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    base = load_file(Path(spec["model"]) / "model.safetensors")
+    moved = moved_fraction(base, load_file(final / "model.safetensors"), dtype)
     emit(
         {
+            "weights_moved": moved,
             "step_times": [r["step_time"] for r in rows],
             "phases": {
                 name: [r[f"time/{name}"] for r in rows]
@@ -220,7 +245,10 @@ def worker_trl(spec: dict) -> None:
     trainer = GRPOTrainer(
         model=spec["model"], reward_funcs=digit_reward, args=args, train_dataset=data, callbacks=[timer]
     )
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
+    dtype = next(trainer.model.parameters()).dtype
+    moved = moved_fraction(before, {k: v.detach() for k, v in trainer.model.state_dict().items()}, dtype)
     w = spec["warmup"]
     logs = timer.logs[w:]
     num_tokens = [entry["num_tokens"] for entry in timer.logs]  # cumulative prompt + completion tokens
@@ -228,6 +256,7 @@ def worker_trl(spec: dict) -> None:
     completion = [entry["completions/mean_length"] * G * spec["prompts"] for entry in logs]
     emit(
         {
+            "weights_moved": moved,
             "step_times": timer.times[w:],
             "phases": {
                 name: [p.get(key, 0.0) for p in timer.phases[w:]]
@@ -414,6 +443,9 @@ def summarise(runs: list[dict], prompts: int) -> dict:
         "prompt_tokens_per_step": statistics.median(p for r in runs for p in r["prompt_tokens"]),
         "tokens_per_s": completion / med,
         "peak_memory_mb": max(r["peak_memory_mb"] for r in runs),
+        "weights_moved": statistics.median(r["weights_moved"] for r in runs)
+        if "weights_moved" in runs[0]
+        else None,
         "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
         "prompts": prompts,
         "step_times": times,
@@ -466,6 +498,7 @@ def print_table(results: dict) -> None:
         "step s",
         "tokens/s",
         memory,
+        "moved",
         "phases (median s)",
         "vs TRL fp32",
         "vs TRL bf16",
@@ -482,6 +515,7 @@ def print_table(results: dict) -> None:
                 f"{s['median_s']:.2f} [{s['min_s']:.2f}-{s['max_s']:.2f}]",
                 f"{s['tokens_per_s']:.1f}",
                 f"{s['peak_memory_mb']:.0f}",
+                "" if s.get("weights_moved") is None else f"{100 * s['weights_moved']:.0f}%",
                 phases,
                 f"{s['vs_trl_fp32']:.2f}x" if "vs_trl_fp32" in s else "",
                 f"{s['vs_trl_bf16']:.2f}x" if "vs_trl_bf16" in s else "",

@@ -25,6 +25,7 @@ BASE = [
     "trainer.save_steps=50",
     "trainer.eval_before=false",
     "trainer.quiet=true",
+    "trainer.precision=fp32",  # (the bf16 cases below set theirs)
 ]
 # Every loss type with beta 0 and 0.04, gradient accumulation, dynamic sampling, batch-wide
 # reward scaling, two iterations per rollout.

@@ -41,13 +41,14 @@ def rows(run_dir):
 
 
 def test_auto_precision_on_the_device():
-    from grpo_cli.precision import resolve_precision
+    from grpo_cli.precision import cpu_has_bf16, resolve_precision
 
     p = resolve_precision("auto", torch.device(DEVICE))
     if CUDA:
         assert p.name == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
     else:
-        assert p.name == "fp32"
+        assert p.name == ("bf16" if cpu_has_bf16() else "fp32")
+    assert (p.weights_dtype == torch.bfloat16) is (p.name == "bf16")
 
 
 def test_bf16_weights_with_fp32_masters_train_on_the_device(compose, tmp_path):

@@ -50,6 +50,7 @@ SMALL = [
     "trainer.prompts_per_step=2",
     "trainer.eval_before=false",
     "trainer.quiet=true",
+    "trainer.precision=fp32",  # (exact comparisons; auto is bf16 on a CPU with bf16 units)
     "trainer.num_processes=2",
 ]
 

@@ -25,7 +25,14 @@ def metrics_without_timings(path) -> list[dict]:
 def run_golden(args: list[str], tmp_path, timeout: float = 600):
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     res = run_cli(
-        [console_script("grpo-train"), *args, "trainer.quiet=true", f"hydra.run.dir={tmp_path / 'run'}"],
+        # fp32: the numbers were recorded in it (auto is bf16 on a CPU with bf16 units, fp32 elsewhere)
+        [
+            console_script("grpo-train"),
+            *args,
+            "trainer.precision=fp32",
+            "trainer.quiet=true",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
         cwd=tmp_path,
         env=env,
         timeout=timeout,

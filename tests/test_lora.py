@@ -20,6 +20,7 @@ TINY = [
     "sampler.max_new_tokens=8",
     "trainer.quiet=true",
     "trainer.prompts_per_step=2",
+    "trainer.precision=fp32",  # (exact comparisons; the bf16 tests say so)
 ]
 # A reward with spread in every group (the tiny model's arithmetic accuracy is 0), a learning rate
 # that moves LoRA's weights in a few steps.

@@ -236,7 +236,12 @@ def test_check_env_prints_the_estimate_table(capsys):
 
 def test_check_env_json_holds_the_estimate_and_applies_overrides(capsys):
     args = ["--model", "tiny", "--memory-gib", "64", "--json", "--lora-r", "4"]
-    overrides = ["loss.beta=0.04", "trainer.prompts_per_step=8", "trainer.gradient_accumulation_steps=2"]
+    overrides = [
+        "loss.beta=0.04",
+        "trainer.prompts_per_step=8",
+        "trainer.gradient_accumulation_steps=2",
+        "trainer.precision=fp32",
+    ]
     assert check_env.main(args + overrides) == 0
     est = json.loads(capsys.readouterr().out)["memory_estimate"]
     assert est["name_or_path"] == "builtin:tiny" and est["recommended"]["method"] == "full"

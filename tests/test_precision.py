@@ -59,12 +59,22 @@ class Tied(torch.nn.Module):
         ("fp32", "cpu", None, None),
         ("bf16", "cpu", None, torch.bfloat16),  # bf16 weights (and fp32 masters)
         ("bf16-autocast", "cpu", torch.bfloat16, None),  # fp32 weights, autocast
-        ("auto", "cpu", None, None),  # the CPU's default stays fp32 (measured recipe)
     ],
 )
 def test_precision_names_resolve(name, device_type, autocast, weights):
     p = resolve_precision(name, torch.device(device_type))
     assert (p.autocast_dtype, p.weights_dtype, p.use_grad_scaler) == (autocast, weights, False)
+
+
+@pytest.mark.parametrize(
+    "cuda, bf16, want",
+    [(True, True, "bf16"), (True, False, "fp16"), (False, True, "bf16"), (False, False, "fp32")],
+)
+def test_auto_picks_bf16_where_the_device_has_bf16_units_and_says_why(cuda, bf16, want):
+    from grpo_cli.precision import pick_precision
+
+    name, why = pick_precision(cuda, bf16)
+    assert name == want and why
 
 
 def test_bf16_with_adapters_keeps_fp32_adapters_under_autocast():

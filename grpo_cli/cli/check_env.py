@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from grpo_cli.errors import UserError, report_and_exit
+from grpo_cli.precision import pick_precision
 
 REQUIRED = (
     "torch",
@@ -57,21 +58,6 @@ def _memory_gib() -> float | None:
             return None
 
 
-def recommend_precision(cuda: bool, bf16: bool) -> tuple[str, str]:
-    """The precision grpo-train's `precision=auto` picks, and why (ref 004 self-check). `bf16`:
-    the GPU supports bf16 (with cuda), or the CPU has bf16 units (without)."""
-    if cuda and bf16:
-        return "bf16", "the GPU computes in bf16 natively; fp32 master weights keep small updates exact"
-    if cuda:
-        return "fp16", "the GPU lacks bf16; fp16 needs a grad scaler (grpo-cli uses one)"
-    if bf16:
-        return "fp32", (
-            "on the CPU auto stays fp32, the measured default; this CPU has bf16 units, so "
-            "trainer.precision=bf16 (bf16 weights, fp32 masters) runs ~1.6x faster"
-        )
-    return "fp32", "no CUDA GPU and no CPU bf16 units: fp32 (bf16 would only be emulated here)"
-
-
 def collect() -> dict[str, Any]:
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -115,7 +101,7 @@ def collect() -> dict[str, Any]:
         info["torch_cuda_version"] = torch.version.cuda
         info["torch_threads"] = torch.get_num_threads()
     info.update(cuda_available=cuda, gpu_name=gpu_name, vram_gib=vram, bf16_supported=bf16)
-    precision, why = recommend_precision(cuda, bf16)
+    precision, why = pick_precision(cuda, bf16)
     info["recommended_precision"] = precision
     info["recommended_precision_reason"] = why
     return info
@@ -186,7 +172,7 @@ def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
     cuda = str(t.device).startswith("cuda") or (bool(info["cuda_available"]) and t.device == "auto")
     precision = t.precision
     if precision == "auto":
-        precision = recommend_precision(cuda, planned or bool(info["bf16_supported"]))[0]
+        precision = pick_precision(cuda, planned or bool(info["bf16_supported"]))[0]
     if precision not in memory.PRECISIONS:
         raise UserError(
             f"trainer.precision={precision!r} is not one of auto, {', '.join(memory.PRECISIONS)}; "
