@@ -117,7 +117,7 @@ def emit(result: dict) -> None:
 def worker_grpo(spec: dict) -> None:
     """grpo-cli through its real entry point (Hydra config, validation, engine), in-process."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # reward fn: bench_vs_trl:digit_reward
-    from grpo_cli import train
+    from grpo_cli.cli import train
 
     run_dir = Path(spec["tmp"]) / f"grpo-{os.getpid()}"
     steps = spec["warmup"] + spec["steps"]
