@@ -64,7 +64,7 @@ def pick_precision(cuda: bool, bf16: bool) -> tuple[str, str]:
     if bf16:
         return "bf16", (
             "no CUDA GPU; this CPU has bf16 units (AVX512-BF16/AMX): bf16 weights with fp32 masters "
-            "step ~1.6x faster than fp32 and learned the default recipe as well (README: precision)"
+            "step 1.4-1.6x faster than fp32 and learned the default recipe as well (README: precision)"
         )
     return "fp32", "no CUDA GPU and no CPU bf16 units: fp32 (bf16 would only be emulated here)"
 
