@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.data import Example
-from grpo_cli.rewards import score_rewards
+from grpo_cli.rewards import as_reward_input, score_rewards
 from grpo_cli.rollout import sample
 
 # transformers 4.x's clean-up of tokenization spaces (PreTrainedTokenizerBase.clean_up_tokenization).
@@ -45,7 +45,8 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask:
 
 
 def score_examples(rewards, tokenizer, examples: list[Example], rollout, group_size: int):
-    """Rewards of a rollout whose rows are `group_size` completions per example, in order."""
+    """Rewards of a rollout whose rows are `group_size` completions per example, in order;
+    returns (the completions' texts, weighted totals, values per reward)."""
     texts = decode_completions(tokenizer, rollout.completion_ids, rollout.completion_mask)
     columns: dict[str, list] = {}
     for ex in examples:
@@ -55,8 +56,9 @@ def score_examples(rewards, tokenizer, examples: list[Example], rollout, group_s
     completion_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
     ]
+    completions = [as_reward_input(prompt, text) for prompt, text in zip(prompts, texts)]
     total, per_reward = score_rewards(
-        rewards, texts, prompts=prompts, completion_ids=completion_ids, columns=columns
+        rewards, completions, prompts=prompts, completion_ids=completion_ids, columns=columns
     )
     return texts, total, per_reward
 

@@ -3,6 +3,7 @@ check a reward before spending compute on training.
 
     grpo-reward-test 'reward=[accuracy,format]' -c "47" -c "47 or 48" --column answer=47
     grpo-reward-test 'reward=[accuracy]' --file cases.jsonl     # {"completion": ..., "answer": ...}
+    grpo-reward-test +reward.mine.fn=my_pkg:reward --chat -c "47"  # a reward written for TRL's chat format
 """
 
 from __future__ import annotations
@@ -65,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--file", help='JSON Lines: one {"completion": ..., <columns>...} per line')
     parser.add_argument("--prompt", default="", help="the prompt passed to the rewards")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="score as for a dataset of chat prompts: each completion reaches the rewards as "
+        '[{"role": "assistant", "content": ...}] and the prompt as [{"role": "user", ...}] (TRL\'s convention)',
+    )
     parser.add_argument("--tokenizer", help="model folder, hub id or builtin:tiny, for token-based rewards")
     parser.add_argument("--config-dir", help="a folder of your own config groups (as grpo-train's)")
     args = parser.parse_args(argv)
     try:
-        from grpo_cli.rewards import build_rewards, score_rewards
+        from grpo_cli.rewards import as_reward_input, build_rewards, score_rewards
 
         cases = [{"completion": c} for c in args.completion]
         if args.file:
@@ -97,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                 tok(c if isinstance(c, str) else str(c), add_special_tokens=False)["input_ids"]
                 for c in completions
             ]
+        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         totals, per_reward = score_rewards(
             specs,
-            completions,
-            prompts=[args.prompt] * len(rows),
+            [as_reward_input(prompt, c) if isinstance(c, str) else c for c in completions],
+            prompts=[prompt] * len(rows),
             completion_ids=completion_ids,
             columns={k: [row[k] for row in rows] for k in keys},
         )

@@ -8,6 +8,11 @@ A reward is a plain function with TRL's signature::
 ``prompts`` and ``completion_ids``, plus the reward's own options from YAML.
 Rewards must accept and ignore unknown keyword arguments.
 
+Completions arrive as TRL passes them (``as_reward_input``): plain strings when
+the dataset's prompts are text, and ``[{"role": "assistant", "content": ...}]``
+when they are chat messages (then ``prompts`` holds the message lists), so a
+reward written for TRL runs unchanged. The built-in rewards read both forms.
+
 Config (``reward`` node, one key per reward)::
 
     reward:
@@ -48,6 +53,7 @@ __all__ = [
     "REGISTRY",
     "RewardError",
     "RewardSpec",
+    "as_reward_input",
     "build_rewards",
     "check_rewards",
     "completion_text",
@@ -375,6 +381,17 @@ def score_rewards(
             result = spec.fn(completions, **kwargs)
         except Exception as exc:
             where = _locate_failure(spec, completions, kwargs, data_keys, columns)
+            if (
+                isinstance(exc, TypeError)
+                and "string indices" in str(exc)
+                and isinstance(completions[0], str)
+            ):
+                where += (
+                    " The completions are plain strings because the prompts are plain text; a reward that "
+                    'reads completion[0]["content"] is written for chat messages (TRL\'s conversational '
+                    "format), which grpo-cli passes when the dataset's prompts are chat messages. Read "
+                    "the string, or give chat prompts."
+                )
             raise RewardError(f"reward {spec.name!r} raised {type(exc).__name__}: {exc}.{where}") from exc
         is_list_like = hasattr(result, "__len__") and hasattr(result, "__iter__")
         if isinstance(result, (str, bytes, Mapping)) or not is_list_like:
@@ -419,6 +436,15 @@ def score_rewards(
             )
         totals.append(float(sum(w * v for w, v in applicable)))
     return totals, per_reward
+
+
+def as_reward_input(prompt, text: str):
+    """A completion as the reward functions receive it, in TRL's convention: when the prompt is
+    chat messages (a conversational dataset), the completion is a message list
+    `[{"role": "assistant", "content": text}]`, so a reward written for TRL
+    (`completion[0]["content"]`) runs unchanged; when the prompt is plain text, the text itself.
+    The built-in rewards read both (rewards.completion_text)."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
 def reward_metrics(per_reward: Mapping[str, Sequence[float | None]]) -> dict[str, float]:
