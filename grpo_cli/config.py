@@ -4,8 +4,10 @@ The schemas type every group, so `loss.beta=abc` or a misspelt key fails while H
 the config. They are also the one source of every default: the default option of each group
 (`conf/sampler/default.yaml`, `conf/loss/grpo.yaml`, ...) sets nothing the schema does not
 already say (a test composes both and compares every key), and the other presets set only what
-they change. `validate(cfg)` checks values and combinations and returns *every* problem at once,
-before any model or dataset is loaded. YAML keys equal the parameter names they feed.
+they change; the experiments (`conf/experiment/`, `grpo-train experiment=gsm8k`) are global presets
+that choose options of several groups. `validate(cfg)` checks values and combinations, and that no
+key is set that the chosen option ignores, and returns *every* problem at once, before any model
+or dataset is loaded. YAML keys equal the parameter names they feed.
 
 Importing this module registers the schema and the `grpo_run_id` resolver (idempotent), so every
 command and test that composes a config gets them from here, not from importing a command.
@@ -168,6 +170,13 @@ class TrainerConfig:
     dynamic_sampling: bool = False
     max_sampling_tries: int = 4
     self_check: bool = True
+    # Completions written to completions.jsonl in the run folder per step (whole groups first:
+    # 32 = the default step's 4 groups of 8); the console shows the best and worst of one group per
+    # logged step beside the metrics table. 0 turns both off.
+    log_completions: int = 32
+    # Live warnings (grpo_cli/health.py): no learning signal, truncation, flat rewards, entropy
+    # collapse, KL, clip ratio, sampler/trainer mismatch; each said once with its fix.
+    health_checks: bool = True
     resume: Optional[str] = None  # None | auto | a checkpoint folder
     keep_last: int = 2
     quiet: bool = False
@@ -175,7 +184,11 @@ class TrainerConfig:
     # stop the run with a checkpoint of the last good weights and a diagnosis (exit 3).
     max_bad_steps: int = 3
     # Where metrics go: jsonl (metrics.jsonl, always: plots, summaries and resume read it) and
-    # optionally tensorboard (<run folder>/tensorboard; needs pip install 'grpo-cli[tensorboard]').
+    # optionally tensorboard (<run folder>/tensorboard), wandb (Weights & Biases, project
+    # $WANDB_PROJECT or grpo-cli; it needs `wandb login` / WANDB_API_KEY, or WANDB_MODE=offline to
+    # log locally) and trackio (Hugging Face's local tracker: `trackio show` opens its dashboard).
+    # Each of the three is an extra: pip install 'grpo-cli[tensorboard]' / 'grpo-cli[wandb]' /
+    # 'grpo-cli[trackio]'. Validation checks the package (and W&B's credentials) before the run.
     report_to: List[str] = field(default_factory=lambda: ["jsonl"])
     # Data-parallel processes on this machine (grpo_cli/distributed.py): 1 runs in this process;
     # N > 1 starts N workers through torchrun's launcher (one GPU each, or gloo on the CPU).
@@ -273,6 +286,7 @@ POSITIVE_INTS = (
 NON_NEGATIVE = (
     "sampler.top_k",
     "trainer.eval_steps",
+    "trainer.log_completions",
     "data.eval_size",
     "data.max_multiplier",
     "optimizer.warmup_steps",
@@ -289,8 +303,11 @@ def _get(cfg: Any, dotted: str) -> Any:
     return node
 
 
-def validate(cfg: Any) -> list[str]:
-    """Every problem in a composed config, as one-line messages naming the value and the fix."""
+def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
+    """Every problem in a composed config, as one-line messages naming the value and the fix.
+    unused_ok: settings that the chosen option ignores (unused_settings) are not problems (a sweep
+    job: a setting given for every job, `-m adapter=none,lora adapter.r=4`, applies to some only;
+    grpo-train prints them as notes instead)."""
     problems: list[str] = []
 
     for key, valid in choices().items():
@@ -400,6 +417,8 @@ def validate(cfg: Any) -> list[str]:
             "(or adapter=none to shard a full fine-tune)."
         )
     problems.extend(_validate_rewards(cfg.reward))
+    if not unused_ok:
+        problems.extend(unused_settings(cfg))
     return problems
 
 
@@ -473,30 +492,202 @@ def _validate_adapter(a: Any, tr: Any) -> list[str]:
     return problems
 
 
-REPORTERS = ("jsonl", "tensorboard")
+# ----------------------------------------------------------------------------- unused settings
+# A key that the chosen option never reads, set to anything but its schema default, is a mistake
+# that would otherwise pass silently: `grpo-train data.path=my.jsonl` with the default data
+# (source arithmetic) trained on arithmetic. Each rule names the key, why it is unused and the
+# option that reads it. A key left at its default is never reported, so a preset or an experiment
+# may switch an option without resetting the keys that only the other options read.
+
+
+def _cli(value: Any) -> str:
+    """A value as it is typed on the command line: text, 8, [q_proj,v_proj]."""
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    if isinstance(value, list):
+        return f"[{','.join(map(str, value))}]"
+    return str(value)
+
+
+def _shown(value: Any) -> str:
+    """A value as a message shows it: strings quoted ('my.jsonl'), the rest as typed."""
+    return repr(value) if isinstance(value, str) else _cli(value)
+
+
+def _changed(node: Any, defaults: Any, keys: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(key, value) of each of `keys` whose value differs from the schema's default."""
+    out = []
+    for key in keys:
+        value = getattr(node, key)
+        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if plain != getattr(defaults, key):
+            out.append((key, value))
+    return out
+
+
+# The data keys the built-in arithmetic generator never reads, and the option that reads each.
+_DATASET_KEYS = {
+    "path": "to train on a file choose data=jsonl (grpo-train data=jsonl data.path={raw}), or "
+    "data.source=hub for a hub dataset",
+    "subset": "it picks a hub dataset's configuration, so choose data.source=hub data.path=NAME "
+    "data.subset={raw} (or data=gsm8k)",
+    "split": "it picks a hub dataset's training split, so choose data.source=hub data.path=NAME "
+    "data.split={raw}",
+    "eval_split": "it picks a hub dataset's evaluation split, so choose data.source=hub data.path=NAME "
+    "data.eval_split={raw} (the generator holds out data.eval_size of its own problems)",
+    "prompt_column": "it names a dataset's prompt column, so choose data=jsonl data.path=FILE "
+    "data.prompt_column={raw}",
+}
+_GENERATOR_KEYS = ("num_examples", "max_operand", "max_multiplier", "operations")
+
+
+def unused_settings(cfg: Any) -> list[str]:
+    """Keys set to a non-default value that the chosen option ignores (data.path with the built-in
+    arithmetic, adapter.r without adapters, ...), each with the option to choose."""
+    d, lo, tr, a = cfg.data, cfg.loss, cfg.trainer, cfg.adapter
+    problems = []
+
+    if d.source == "arithmetic":
+        for key, value in _changed(d, DataConfig(), tuple(_DATASET_KEYS)):
+            problems.append(
+                f"data.{key}={_shown(value)} is ignored by data.source=arithmetic (the built-in generator, "
+                f"which makes its own prompts); {_DATASET_KEYS[key].format(raw=_cli(value))}; otherwise "
+                f"drop data.{key}."
+            )
+    elif d.source in ("file", "hub"):
+        for key, value in _changed(d, DataConfig(), _GENERATOR_KEYS):
+            why = (
+                "it sizes the built-in arithmetic generator, and a dataset's rows are all used "
+                "(trainer.max_steps and trainer.epochs set how many are trained on)"
+                if key == "num_examples"
+                else "it shapes the built-in arithmetic generator's problems"
+            )
+            problems.append(
+                f"data.{key}={_shown(value)} is ignored by data.source={d.source}: {why}; choose "
+                f"data=arithmetic to train on generated problems, otherwise drop data.{key}."
+            )
+    if d.source == "file":
+        # A file is read whole: subset and split would select within a hub dataset. eval_split is
+        # worse than ignored: the file is read again for it, so the training rows are evaluated.
+        if d.subset is not None:
+            problems.append(
+                f"data.subset={_shown(d.subset)} is ignored by data.source=file: a local file has no "
+                "configurations (subset picks one of a hub dataset's, e.g. gsm8k's main); set "
+                "data.subset=null, or data.source=hub if data.path names a hub dataset."
+            )
+        if d.split != DataConfig().split:
+            problems.append(
+                f"data.split={_shown(d.split)} is ignored by data.source=file: a local file is read whole "
+                "(split picks one of a hub dataset's splits); give that split's file as data.path and "
+                "drop data.split, or set data.source=hub if data.path names a hub dataset."
+            )
+        if d.eval_split is not None:
+            problems.append(
+                f"data.eval_split={_shown(d.eval_split)} does not apply to data.source=file: a local file "
+                "has no splits, so the whole file, training rows included, would be evaluated; set "
+                "data.eval_split=null to hold out data.eval_size rows of the file, or data.source=hub if "
+                "data.path names a hub dataset."
+            )
+    if d.source == "hub" and d.eval_split is not None and d.eval_size != DataConfig().eval_size:
+        problems.append(
+            f"data.eval_size={d.eval_size} is ignored with data.eval_split={_shown(d.eval_split)}: the "
+            "whole split is evaluated; set data.eval_split=null to hold out data.eval_size rows of the "
+            "training split instead, otherwise drop data.eval_size."
+        )
+
+    if lo.sampler_correction == "none" and lo.tis_cap != LossConfig().tis_cap:
+        problems.append(
+            f"loss.tis_cap={lo.tis_cap} is ignored with loss.sampler_correction=none (it caps the truncated "
+            "importance-sampling weights): choose loss.sampler_correction=tis to correct for the "
+            "sampler's numerics, otherwise drop loss.tis_cap."
+        )
+    if not tr.dynamic_sampling and tr.max_sampling_tries != TrainerConfig().max_sampling_tries:
+        problems.append(
+            f"trainer.max_sampling_tries={tr.max_sampling_tries} is ignored with trainer.dynamic_sampling="
+            "false (it bounds the rollouts dynamic sampling makes to fill a step with groups that carry "
+            "signal): set trainer.dynamic_sampling=true to use it, otherwise drop trainer.max_sampling_tries."
+        )
+    if a.name == "none":
+        for key, value in _changed(a, AdapterConfig(), ("r", "alpha", "dropout", "target_modules", "init")):
+            problems.append(
+                f"adapter.{key}={_shown(value)} is ignored with adapter.name=none (full fine-tuning: every "
+                f"weight trains, there are no adapters): to train LoRA adapters choose adapter=lora "
+                f"(grpo-train adapter=lora adapter.{key}={_cli(value)}), otherwise drop "
+                f"adapter.{key}."
+            )
+    return problems
+
+
+REPORTERS = ("jsonl", "tensorboard", "wandb", "trackio")
+# WANDB_MODE values in which W&B never contacts its server, so it needs no credentials.
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
 
 
 def _validate_report_to(report_to: list[str]) -> list[str]:
     problems = []
-    shown = f"trainer.report_to=[{','.join(map(str, report_to))}]"
-    unknown = [str(name) for name in report_to if name not in REPORTERS]
+    names = [str(name) for name in report_to]
+    shown = f"trainer.report_to=[{','.join(names)}]"
+    unknown = [name for name in names if name not in REPORTERS]
     if unknown:
         problems.append(
             f"{shown}: unknown {'name' if len(unknown) == 1 else 'names'} {', '.join(unknown)}; the "
             f"valid names are {', '.join(REPORTERS)} (e.g. trainer.report_to=[jsonl,tensorboard])."
         )
-    if "jsonl" not in report_to:
+    if "jsonl" not in names:
         problems.append(
             f"{shown} must include jsonl: metrics.jsonl is what the plots, sweep summaries and "
             "trainer.resume read; e.g. trainer.report_to=[jsonl,tensorboard]."
         )
-    if "tensorboard" in report_to and find_spec("tensorboard") is None:
+    # Looked up, never imported (trackers.missing_package): wandb and trackio take seconds to
+    # import, and a bad command line is answered before anything heavy loads.
+    from grpo_cli.trackers import missing_package
+
+    problems += [
+        problem
+        for name in ("tensorboard", "wandb", "trackio")
+        if name in names and (problem := missing_package(name, names))
+    ]
+    if "wandb" in names and find_spec("wandb") is not None and not _wandb_can_log():
+        mode = os.environ.get("WANDB_MODE")
         problems.append(
-            "trainer.report_to includes tensorboard, but the tensorboard package is not installed; "
-            "install it with: pip install 'grpo-cli[tensorboard]' (or pip install tensorboard), "
-            "or drop it: trainer.report_to=[jsonl]."
+            "trainer.report_to includes wandb, but no W&B credentials were found (no WANDB_API_KEY, and no "
+            f"{_wandb_host()} entry in {_netrc_path()}) and W&B would log online "
+            f"({'WANDB_MODE=' + repr(mode) if mode else 'WANDB_MODE is not set'}), so wandb.init would "
+            "ask for a login (or fail without a terminal) as the run starts: set WANDB_MODE=offline to "
+            "log locally (sync later with `wandb sync <run folder>/wandb/offline-run-*`), or log in with "
+            "`wandb login` / WANDB_API_KEY."
         )
     return problems
+
+
+def _wandb_host() -> str:
+    """The W&B server's host name: api.wandb.ai, or a self-hosted server's ($WANDB_BASE_URL)."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
+def _netrc_path() -> str:
+    """The netrc file `wandb login` writes the key to: $NETRC, else ~/.netrc."""
+    return os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")
+
+
+def _wandb_can_log() -> bool:
+    """W&B will start a run without asking for a login: it logs locally (WANDB_MODE offline,
+    disabled or dryrun), or it finds credentials where wandb.init looks for them: WANDB_API_KEY,
+    WANDB_IDENTITY_TOKEN_FILE, or a netrc entry for its server, which `wandb login` writes. (A key
+    kept only in W&B's own settings file is not looked for: the message then names the fix.)"""
+    import netrc
+
+    if os.environ.get("WANDB_MODE", "").strip().lower() in WANDB_LOCAL_MODES:
+        return True
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        entry = netrc.netrc(_netrc_path()).authenticators(_wandb_host())
+    except (OSError, netrc.NetrcParseError):  # no file, unreadable or malformed: no credentials there
+        return False
+    return bool(entry and entry[2])
 
 
 def _validate_rewards(reward: Any) -> list[str]:

@@ -9,7 +9,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grpo_cli.config import validate
 
-GROUPS = ["model", "data", "reward", "sampler", "loss", "optimizer", "trainer"]
+# experiment: global presets (conf/experiment/, tests/test_experiments.py) that choose options of
+# several groups and may set keys in any of them.
+GROUPS = ["model", "data", "reward", "sampler", "loss", "optimizer", "adapter", "trainer", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 
@@ -18,7 +20,7 @@ def test_every_shipped_option_composes(compose, group, option):
     override = f"{group}=[{option}]" if group == "reward" else f"{group}={option}"
     extra = ["data.path=x.jsonl"] if (group, option) == ("data", "jsonl") else []
     cfg = compose([override] + extra)
-    assert cfg[group] is not None
+    assert group == "experiment" or cfg[group] is not None  # an experiment is global: no key of its own
     assert validate(cfg) == [], f"shipped preset {group}/{option} does not validate"
 
 
@@ -146,3 +148,244 @@ def test_presets_set_only_what_they_change(group):
                 continue
             assert key in schema, f"{path.name}: {key} is not a key of {group}"
             assert value != schema[key], f"{path.name} restates the schema's default {group}.{key}={value!r}"
+
+
+# ----------------------------------------------------------------------------- unused settings
+
+# Each row: overrides that set a key the chosen option never reads, the bad value as the problem
+# names it, and the fix it names. Each must give exactly one problem: one per ignored key.
+JSONL = ["data=jsonl", "data.path=x.jsonl"]
+UNUSED_CASES = [
+    (
+        ["data.path=my.jsonl"],
+        "data.path='my.jsonl' is ignored by data.source=arithmetic",
+        "grpo-train data=jsonl data.path=my.jsonl",
+    ),
+    (
+        ["data.subset=main"],
+        "data.subset='main' is ignored by data.source=arithmetic",
+        "data.source=hub data.path=NAME data.subset=main",
+    ),
+    (
+        ["data.split=test"],
+        "data.split='test' is ignored by data.source=arithmetic",
+        "data.source=hub data.path=NAME data.split=test",
+    ),
+    (
+        ["data.eval_split=test"],
+        "data.eval_split='test' is ignored by data.source=arithmetic",
+        "data.eval_split=test",
+    ),
+    (
+        ["data.prompt_column=question"],
+        "data.prompt_column='question' is ignored",
+        "data=jsonl data.path=FILE data.prompt_column=question",
+    ),
+    (JSONL + ["data.subset=main"], "data.subset='main' is ignored by data.source=file", "data.subset=null"),
+    (JSONL + ["data.split=test"], "data.split='test' is ignored by data.source=file", "drop data.split"),
+    (
+        JSONL + ["data.eval_split=test"],
+        "data.eval_split='test' does not apply to data.source=file",
+        "data.eval_split=null",
+    ),
+    (
+        JSONL + ["data.num_examples=32"],
+        "data.num_examples=32 is ignored by data.source=file",
+        "drop data.num_examples",
+    ),
+    (
+        ["data=gsm8k", "data.max_operand=50"],
+        "data.max_operand=50 is ignored by data.source=hub",
+        "data=arithmetic",
+    ),
+    (
+        ["data=gsm8k", "data.max_multiplier=3"],
+        "data.max_multiplier=3 is ignored by data.source=hub",
+        "data=arithmetic",
+    ),
+    (
+        ["data=gsm8k", "data.operations=[+]"],
+        "data.operations=[+] is ignored by data.source=hub",
+        "data=arithmetic",
+    ),
+    (
+        ["data=gsm8k", "data.eval_size=50"],
+        "data.eval_size=50 is ignored with data.eval_split='test'",
+        "data.eval_split=null",
+    ),
+    (
+        ["loss.tis_cap=1.5"],
+        "loss.tis_cap=1.5 is ignored with loss.sampler_correction=none",
+        "loss.sampler_correction=tis",
+    ),
+    (
+        ["trainer.max_sampling_tries=8"],
+        "trainer.max_sampling_tries=8 is ignored",
+        "trainer.dynamic_sampling=true",
+    ),
+    (["adapter.r=8"], "adapter.r=8 is ignored with adapter.name=none", "grpo-train adapter=lora adapter.r=8"),
+    (["adapter.alpha=8"], "adapter.alpha=8.0 is ignored", "adapter=lora adapter.alpha=8.0"),
+    (["adapter.dropout=0.1"], "adapter.dropout=0.1 is ignored", "adapter=lora adapter.dropout=0.1"),
+    (
+        ["adapter.target_modules=[q_proj,v_proj]"],
+        "adapter.target_modules=[q_proj,v_proj] is ignored",
+        "adapter=lora",
+    ),
+    (["adapter.init=gaussian"], "adapter.init='gaussian' is ignored", "adapter=lora adapter.init=gaussian"),
+]
+
+
+@pytest.mark.parametrize("overrides,bad,fix", UNUSED_CASES, ids=[" ".join(c[0]) for c in UNUSED_CASES])
+def test_a_key_the_chosen_option_ignores_is_named_with_its_fix(compose, overrides, bad, fix):
+    problems = validate(compose(overrides))
+    assert len(problems) == 1, problems
+    assert bad in problems[0] and fix in problems[0] and "\n" not in problems[0], problems[0]
+
+
+# The same keys where the chosen option reads them: no problem.
+USED_CASES = [
+    JSONL + ["data.prompt_column=question", "data.eval_size=10"],
+    [
+        "data.source=hub",
+        "data.path=openai/gsm8k",
+        "data.subset=main",
+        "data.split=train",
+        "data.eval_split=test",
+    ],
+    ["data=gsm8k", "data.eval_split=null", "data.eval_size=50"],
+    ["data.num_examples=100", "data.max_operand=50", "data.max_multiplier=3", "data.operations=[+,*]"],
+    ["loss.sampler_correction=tis", "loss.tis_cap=1.5"],
+    ["trainer.dynamic_sampling=true", "trainer.max_sampling_tries=8"],
+    [
+        "adapter=lora",
+        "adapter.r=8",
+        "adapter.alpha=8",
+        "adapter.target_modules=[q_proj,v_proj]",
+        "adapter.init=gaussian",
+    ],
+    # Switching an option leaves the other options' keys at their defaults: nothing to report.
+    ["data=jsonl", "data.path=x.jsonl", "adapter=lora", "adapter=none"],
+]
+
+
+@pytest.mark.parametrize("overrides", USED_CASES, ids=[" ".join(c) for c in USED_CASES])
+def test_a_key_the_chosen_option_reads_is_not_reported(compose, overrides):
+    assert validate(compose(overrides)) == []
+
+
+def test_every_ignored_key_is_its_own_problem(compose):
+    problems = validate(
+        compose(["data.path=a.jsonl", "data.prompt_column=q", "adapter.r=8", "loss.tis_cap=3"])
+    )
+    assert [p.split("=")[0] for p in problems] == [
+        "data.path",
+        "data.prompt_column",
+        "loss.tis_cap",
+        "adapter.r",
+    ]
+
+
+# ----------------------------------------------------------------------------- report_to
+
+
+@pytest.fixture
+def trackers(monkeypatch, tmp_path):
+    """Every tracker package present (unless a test says otherwise) and no W&B settings from this
+    machine: no WANDB_* variables, an empty netrc path."""
+    import grpo_cli.config as config
+
+    missing: set[str] = set()
+    import grpo_cli.trackers as trackers_module
+
+    for module in (config, trackers_module):  # validation looks packages up in both
+        monkeypatch.setattr(module, "find_spec", lambda name: None if name in missing else object())
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    return missing
+
+
+def test_every_tracker_validates_when_installed(compose, trackers, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert validate(compose(["trainer.report_to=[jsonl,tensorboard,wandb,trackio]"])) == []
+
+
+def test_an_unknown_tracker_lists_the_valid_names(compose, trackers):
+    problems = validate(compose(["trainer.report_to=[jsonl,mlflow]"]))
+    assert problems == [
+        "trainer.report_to=[jsonl,mlflow]: unknown name mlflow; the valid names are jsonl, tensorboard, "
+        "wandb, trackio (e.g. trainer.report_to=[jsonl,tensorboard])."
+    ]
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb", "trackio"])
+def test_a_missing_tracker_package_names_its_pip_command(compose, trackers, monkeypatch, name):
+    trackers.add(name)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    problems = validate(compose([f"trainer.report_to=[jsonl,tensorboard,{name}]"]))
+    assert len(problems) == 1, problems
+    assert f"the {name} package is not installed" in problems[0]
+    assert f"pip install 'grpo-cli[{name}]'" in problems[0]
+    kept = "trainer.report_to=[jsonl]" if name == "tensorboard" else "trainer.report_to=[jsonl,tensorboard]"
+    assert kept in problems[0], problems[0]
+
+
+def _write_netrc(tmp_path, text):
+    path = tmp_path / "netrc"
+    path.write_text(text)
+    path.chmod(0o600)
+
+
+@pytest.mark.parametrize(
+    "env,netrc,ok",
+    [
+        ({}, None, False),
+        ({"WANDB_MODE": "online"}, None, False),
+        ({"WANDB_MODE": "offline"}, None, True),
+        ({"WANDB_MODE": "disabled"}, None, True),
+        ({"WANDB_MODE": "dryrun"}, None, True),
+        ({"WANDB_API_KEY": "k" * 40}, None, True),
+        ({}, "machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n", True),
+        ({}, "machine github.com login user password secret\n", False),
+        ({}, "machine api.wandb.ai login", False),  # malformed: no credentials there
+        (
+            {"WANDB_BASE_URL": "https://wandb.example.com"},
+            "machine wandb.example.com login u password k\n",
+            True,
+        ),
+        ({"WANDB_BASE_URL": "https://wandb.example.com"}, "machine api.wandb.ai login u password k\n", False),
+    ],
+    ids=[
+        "nothing",
+        "online",
+        "offline",
+        "disabled",
+        "dryrun",
+        "api-key",
+        "netrc",
+        "netrc-other-host",
+        "netrc-malformed",
+        "self-hosted",
+        "self-hosted-saas-key",
+    ],
+)
+def test_wandb_without_credentials_online_is_a_problem(
+    compose, trackers, monkeypatch, tmp_path, env, netrc, ok
+):
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    if netrc is not None:
+        _write_netrc(tmp_path, netrc)
+    problems = validate(compose(["trainer.report_to=[jsonl,wandb]"]))
+    if ok:
+        assert problems == []
+    else:
+        assert len(problems) == 1, problems
+        for fragment in (
+            "no W&B credentials",
+            "set WANDB_MODE=offline",
+            "wandb sync",
+            "wandb login",
+            "WANDB_API_KEY",
+        ):
+            assert fragment in problems[0], problems[0]

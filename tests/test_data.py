@@ -164,7 +164,14 @@ def test_gsm8k_preset_on_a_local_file_in_the_same_format(compose, tmp_path):
     path = tmp_path / "gsm8k.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = compose(
-        ["data=gsm8k", "data.source=file", f"data.path={path}", "data.eval_split=null", "reward=[accuracy]"]
+        [
+            "data=gsm8k",
+            "data.source=file",
+            f"data.path={path}",
+            "data.subset=null",  # a hub dataset's subset: a file has none (validation says so)
+            "data.eval_split=null",
+            "reward=[accuracy]",
+        ]
     )
     assert validate(cfg) == []
     typed = to_typed(cfg)

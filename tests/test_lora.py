@@ -405,6 +405,8 @@ def test_a_sweep_over_full_and_lora_training(tmp_path):
     ]
     res = run_cli(args, cwd=tmp_path, env=ENV)
     assert res.returncode == 0, res.stdout + res.stderr
+    # adapter.r, given for both jobs, does not apply to full training: a note there, not an error.
+    assert res.stderr.count("note: adapter.r=4 is ignored with adapter.name=none") == 1, res.stderr
     full, lora = sweep / "0", sweep / "1"
     assert (full / "checkpoints" / "step-000001" / "model.safetensors").is_file()
     assert (lora / "checkpoints" / "step-000001" / "adapter_model.safetensors").is_file()

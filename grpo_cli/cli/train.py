@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import distributed, memory, plots
 from grpo_cli.cli.sweep import RunFailed, Sweep
-from grpo_cli.config import Config, to_typed, validate
+from grpo_cli.config import Config, to_typed, unused_settings, validate
 from grpo_cli.errors import (
     EXIT_DIVERGED,
     EXIT_USER_ERROR,
@@ -156,7 +156,10 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
     trainer.num_processes > 1: start that many workers (this same command) and wait for them;
     a worker (started by torchrun or by that launcher) joins the others first."""
     d = distributed.from_env()
-    problems = validate(cfg)
+    problems = validate(cfg, unused_ok=in_sweep)
+    if in_sweep and d.is_main:  # a setting shared by every job of a sweep may not apply to this one
+        for note in unused_settings(cfg):
+            print(f"grpo-train: note: {note}", file=sys.stderr, flush=True)
     if problems:
         if not d.is_main:  # every rank finds the same problems; rank 0 reports them
             raise QuietExit(EXIT_USER_ERROR)
