@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from grpo_cli import checkpoint as ckpt
 from grpo_cli import guards, selfcheck
@@ -28,7 +29,8 @@ from grpo_cli.build import Parts, sampler_kwargs
 from grpo_cli.config import Config
 from grpo_cli.distributed import full_weights, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
-from grpo_cli.evaluate import evaluate, score_examples
+from grpo_cli.evaluate import decode_completions, evaluate, score_examples
+from grpo_cli.health import HealthMonitor
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
     group_advantages,
@@ -41,6 +43,7 @@ from grpo_cli.loss import (
 from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
 from grpo_cli.precision import autocast
 from grpo_cli.rollout import Rollout, concat, sample, select
+from grpo_cli.samples import step_records
 from grpo_cli.selfcheck import compare_logprobs
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -175,6 +178,10 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         writer=d.is_main,  # rank 0 alone writes metrics and prints
         resume_step=start_step,
         report_to=tuple(t.report_to),
+        run_config=yaml.safe_load(config_yaml) if config_yaml else None,
+    )
+    health = HealthMonitor(
+        num_iterations=t.num_iterations, beta=lo.beta, enabled=t.health_checks, resume_step=start_step
     )
     with log, _StopFlag(quiet=not d.is_main) as stop:
         if t.eval_before and parts.eval_examples and not parts.resumed_from:
@@ -337,7 +344,14 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 (t.eval_steps and step % t.eval_steps == 0) or step == parts.total_steps
             ):
                 row.update(run_eval())
-            if step % t.logging_steps == 0 or step == parts.total_steps:
+            logged = step % t.logging_steps == 0 or step == parts.total_steps
+            if t.log_completions and d.is_main:  # completions.jsonl; the samples table on logged steps
+                log.log_samples(
+                    _completion_records(batch, sampled, parts.tokenizer, step, t.log_completions), logged
+                )
+            for warning in health.check(row):  # each kind said once, with its fix
+                log.warn(warning)
+            if logged:
                 log.log(row)
             else:
                 log.advance(step)
@@ -350,6 +364,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
 
         path = save(parts.total_steps)
         log.flush_table()
+        if health.seen:
+            log.warn(health.summary())
         log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
         for key in ("eval/accuracy", "eval/reward"):
             if key in before and key in last_row:
@@ -359,6 +375,28 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     f"({last_row[key] - before[key]:+.3f})"
                 )
     return last_row
+
+
+def _completion_records(batch: Rollout, sampled: Sampled, tokenizer, step: int, limit: int) -> list[dict]:
+    """The first `limit` completions of the rollout trained on, as completions.jsonl records."""
+    n = min(limit, batch.rewards.shape[0])
+    texts = decode_completions(tokenizer, batch.completion_ids[:n], batch.completion_mask[:n])
+    values = batch.reward_values[:n].T.tolist()  # [R][n]
+    return step_records(
+        step,
+        prompts=[sampled.examples[i].prompt for i in batch.prompt_index[:n].tolist()],
+        texts=texts,
+        reward_values={
+            name: [None if math.isnan(v) else v for v in column]
+            for name, column in zip(sampled.per_reward, values)
+        },
+        totals=batch.rewards[:n].tolist(),
+        advantages=batch.advantages[:n].tolist(),
+        lengths=batch.lengths[:n].tolist(),
+        truncated=batch.truncated[:n].tolist(),
+        zero_std=batch.zero_std[:n].tolist(),
+        group_size=sampled.group_size,
+    )
 
 
 def _loss(cfg: Config, logps, old_logps, mb: Rollout, norms: tuple[int, int], importance_weights):
@@ -439,6 +477,7 @@ class Sampled:
     totals: list[float] = field(default_factory=list)
     groups: int = 0
     zero_std_groups: int = 0
+    examples: list = field(default_factory=list)  # every drawn example (rollout.prompt_index's list)
 
 
 def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float], step: int) -> Sampled:
@@ -481,6 +520,15 @@ def _sample_groups(cfg: Config, parts: Parts, phase: dict[str, float], step: int
                 scored = (rollout, total, per_reward)
         rollout, total, per_reward = _gather_scored(d, scored, parts.device, parts.tokenizer.pad_token_id)
         rollout.rewards = torch.tensor(total, dtype=torch.float32, device=parts.device)  # [n*G]
+        rollout.prompt_index = torch.arange(
+            len(sampled.examples), len(sampled.examples) + len(examples), device=parts.device
+        ).repeat_interleave(G)  # [n*G]
+        rollout.reward_values = torch.tensor(  # [n*G, R], None as NaN
+            [[math.nan if v is None else v for v in values] for values in per_reward.values()],
+            dtype=torch.float32,
+            device=parts.device,
+        ).T
+        sampled.examples += examples
         zero = zero_std_groups(
             rollout.rewards, G, std=cfg.loss.std, zero_std_threshold=cfg.loss.zero_std_threshold
         )

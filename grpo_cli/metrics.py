@@ -1,5 +1,6 @@
-"""Metrics rows: `metrics.jsonl` in the run folder (and TensorBoard scalars under the same names,
-with trainer.report_to=[jsonl,tensorboard]), a rich progress bar and a compact table."""
+"""Metrics rows: `metrics.jsonl` in the run folder (and, with trainer.report_to, TensorBoard
+scalars, W&B or Trackio under the same names), a rich progress bar and a compact table; the
+completions of each step in `completions.jsonl` (samples.py) with a samples table beside it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from rich.table import Table
 
 from grpo_cli.errors import UserError, first_line
 from grpo_cli.files import write_atomic
+from grpo_cli.samples import SAMPLES_FILE, showcase, showcase_table
+from grpo_cli.trackers import Trackio, Wandb
 
 METRICS_FILE = "metrics.jsonl"
 # Columns of the console table (all of them go to metrics.jsonl).
@@ -69,8 +72,11 @@ class MetricsLogger:
         resume_step: int = 0,
         report_to: Sequence[str] = ("jsonl",),
         writer: bool = True,
+        run_name: str = "",
+        run_config: dict | None = None,
     ):
-        """writer=False (ranks other than 0 of a multi-process run): nothing is written or printed."""
+        """writer=False (ranks other than 0 of a multi-process run): nothing is written or printed.
+        run_name, run_config: the run's name and resolved config, for W&B and Trackio."""
         self.path = run_dir / METRICS_FILE
         self.writer = writer
         quiet = quiet or not writer
@@ -78,24 +84,26 @@ class MetricsLogger:
         self.table_every = table_every
         self.console = Console(stderr=False, quiet=quiet)
         self.rows: list[dict] = []
-        try:
-            if writer and resume_step and self.path.exists():
-                kept = [
-                    line
-                    for line in self.path.read_text().splitlines()
-                    if line.strip() and _step_of(line) <= resume_step
-                ]
-                write_atomic(self.path, "".join(line + "\n" for line in kept))
-            elif writer and self.path.exists():
-                self.path.unlink()
-        except OSError as exc:
-            raise _write_error(self.path, exc) from exc
+        self.samples_path = run_dir / SAMPLES_FILE
+        if writer:  # a resumed run drops the lines past its checkpoint; a new one starts afresh
+            for path in (self.path, self.samples_path):
+                _restart(path, resume_step)
         self._pending: list[dict] = []
-        self.tensorboard = (
-            TensorBoard(run_dir / "tensorboard", resume_step)
-            if "tensorboard" in report_to and writer
-            else None
-        )
+        self._showcase: list[dict] = []  # the samples table's rows, printed with the metrics table
+        # Trackers (trainer.report_to beyond jsonl) get every row under its metrics.jsonl names.
+        self.trackers: list[Any] = []
+        if writer and "tensorboard" in report_to:
+            self.trackers.append(TensorBoard(run_dir / "tensorboard", resume_step))
+        for name, tracker in (("wandb", Wandb), ("trackio", Trackio)):
+            if writer and name in report_to:
+                self.trackers.append(
+                    tracker(
+                        run_dir,
+                        run_name=run_name or run_dir.name,
+                        config=run_config or {},
+                        resume_step=resume_step,
+                    )
+                )
         self.progress = Progress(
             TextColumn("[bold]training"),
             BarColumn(),
@@ -116,8 +124,8 @@ class MetricsLogger:
 
     def __exit__(self, *exc):
         self.progress.stop()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()
         return False
 
     def log(self, row: dict[str, Any]) -> None:
@@ -132,8 +140,8 @@ class MetricsLogger:
                 fh.write(json.dumps(clean, allow_nan=True) + "\n")
         except OSError as exc:
             raise _write_error(self.path, exc) from exc
-        if self.tensorboard is not None:
-            self.tensorboard.log(clean)
+        for tracker in self.trackers:
+            tracker.log(clean)
         self.rows.append(clean)
         self._pending.append(clean)
         if "reward" in clean:
@@ -142,20 +150,39 @@ class MetricsLogger:
         if len(self._pending) >= self.table_every:
             self.flush_table()
 
+    def log_samples(self, records: list[dict], show: bool) -> None:
+        """A step's completion records to completions.jsonl (texts whole); `show`: also its best and
+        worst completion in the console's samples table."""
+        if not self.writer or not records:
+            return
+        try:
+            with open(self.samples_path, "a") as fh:
+                fh.write("".join(json.dumps(r, ensure_ascii=False, allow_nan=True) + "\n" for r in records))
+        except OSError as exc:
+            raise _write_error(self.samples_path, exc) from exc
+        if show and (row := showcase(records)) is not None:
+            self._showcase.append(row)
+            for tracker in self.trackers:  # a table of the step's completions (W&B, Trackio)
+                if hasattr(tracker, "log_samples"):
+                    tracker.log_samples(records[0]["step"], records)
+
     def advance(self, step: int) -> None:
         self.progress.update(self.task, completed=step)
 
     def flush_table(self) -> None:
-        if not self._pending or self.quiet:
-            self._pending = []
+        """Print the metrics of the steps logged since the last table, then their samples."""
+        pending, shown, self._pending, self._showcase = self._pending, self._showcase, [], []
+        if self.quiet:
             return
-        table = Table(box=None, pad_edge=False, header_style="bold")
-        for col in TABLE_COLUMNS:
-            table.add_column(SHORT.get(col, col), justify="right")
-        for row in self._pending:
-            table.add_row(*[_fmt(row.get(col)) for col in TABLE_COLUMNS])
-        self.progress.console.print(table)
-        self._pending = []
+        if pending:
+            table = Table(box=None, pad_edge=False, header_style="bold")
+            for col in TABLE_COLUMNS:
+                table.add_column(SHORT.get(col, col), justify="right")
+            for row in pending:
+                table.add_row(*[_fmt(row.get(col)) for col in TABLE_COLUMNS])
+            self.progress.console.print(table)
+        if shown:
+            self.progress.console.print(showcase_table(shown))
 
     def print(self, *args, **kwargs) -> None:
         self.progress.console.print(*args, **kwargs)
@@ -195,6 +222,22 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _restart(path: Path, resume_step: int) -> None:
+    """Keep the lines of steps up to `resume_step` (a resumed run), or none (a new run)."""
+    try:
+        if resume_step and path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and _step_of(line) <= resume_step
+            ]
+            write_atomic(path, "".join(line + "\n" for line in kept))
+        elif path.exists():
+            path.unlink()
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
 
 
 def _step_of(line: str) -> int:

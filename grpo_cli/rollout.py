@@ -37,6 +37,10 @@ class Rollout:
     group_std: torch.Tensor | None = None  # [N] the row's group reward std
     loss_mask: torch.Tensor | None = None  # [N, C] completion tokens that may enter the loss
     ref_logps: torch.Tensor | None = None  # [N, C] reference-model log-probs (loss.beta > 0)
+    # For the completions log (samples.py): the row's prompt as an index into the step's drawn
+    # examples, and each configured reward's value (NaN where a reward returned None).
+    prompt_index: torch.Tensor | None = None  # [N] long
+    reward_values: torch.Tensor | None = None  # [N, R]
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -339,7 +343,10 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         completion_mask=torch.cat([pad(r.completion_mask, C, 0, False) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         sampler_logps=torch.cat([pad(r.sampler_logps, C, 0.0, False) for r in rollouts]),
-        rewards=torch.cat([r.rewards for r in rollouts])
-        if all(r.rewards is not None for r in rollouts)
-        else None,
+        **{
+            name: torch.cat([getattr(r, name) for r in rollouts])
+            if all(getattr(r, name) is not None for r in rollouts)
+            else None
+            for name in ("rewards", "prompt_index", "reward_values")
+        },
     )

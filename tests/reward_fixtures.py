@@ -46,3 +46,8 @@ def hangs_on_rank_1(completions, **kwargs):
         while True:
             time.sleep(1)
     return [float(len(c) % 3) for c in completions]
+
+
+def constant(completions, **kwargs):
+    """The same reward for every completion: every group is zero-std."""
+    return [1.0] * len(completions)

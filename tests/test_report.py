@@ -415,16 +415,17 @@ def test_a_run_that_trained_draws_its_plot_even_on_error_and_bad_input_draws_non
 
 
 def test_report_to_validation(compose, monkeypatch):
-    import grpo_cli.config as config
 
     assert validate(compose(["model=tiny"])) == []
     assert compose([]).trainer.report_to == ["jsonl"]
-    problems = validate(compose(["trainer.report_to=[jsonl,wandb]"]))
+    problems = validate(compose(["trainer.report_to=[jsonl,mlflow]"]))
     assert problems == [
-        "trainer.report_to=[jsonl,wandb]: unknown name wandb; the valid names are jsonl, tensorboard "
-        "(e.g. trainer.report_to=[jsonl,tensorboard])."
+        "trainer.report_to=[jsonl,mlflow]: unknown name mlflow; the valid names are jsonl, tensorboard, "
+        "wandb, trackio (e.g. trainer.report_to=[jsonl,tensorboard])."
     ]
-    monkeypatch.setattr(config, "find_spec", lambda name: None if name == "tensorboard" else object())
+    import grpo_cli.trackers as trackers
+
+    monkeypatch.setattr(trackers, "find_spec", lambda name: None if name == "tensorboard" else object())
     problems = validate(compose(["trainer.report_to=[tensorboard]"]))
     assert any("must include jsonl" in p for p in problems)
     assert any(

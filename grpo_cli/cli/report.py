@@ -5,6 +5,9 @@ metrics.jsonl or status.json) gets summary.csv, summary.json, summary.png and ea
 metrics.png. Run folders given together share one table. It works while a run is still
 writing: a last metrics line cut short is skipped. Exit 2 with one paragraph when a path is
 neither.
+
+`grpo-report RUN --samples STEP` (or `last`) prints the completions the run logged at that step
+instead (completions.jsonl: each reward, the total, advantage, length, truncated, zero-std).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from grpo_cli import plots
 from grpo_cli.errors import EXIT_USER_ERROR, first_line
 from grpo_cli.metrics import METRICS_FILE
+from grpo_cli.samples import SAMPLES_FILE, read_records, records_table, shorten
 from grpo_cli.summary import (
     is_run_dir,
     is_sweep_dir,
@@ -95,6 +99,48 @@ def report_runs(run_dirs: list[Path]) -> list[Path]:
     return [p for p in written if p]
 
 
+def print_samples(paths: list[Path], step_arg: str) -> int:
+    """Print the completions each run folder logged at one step, a table per group's worth of
+    rows, best first within each group; exit status 2 with one paragraph when there are none."""
+    from rich.console import Console
+
+    if step_arg != "last" and not step_arg.isdigit():
+        print(f"{PROG}: --samples {step_arg!r} must be a step number or 'last'.", file=sys.stderr)
+        return EXIT_USER_ERROR
+    console = Console()
+    for path in paths:
+        run_dir = path.parent if path.is_file() else path
+        records = read_records(run_dir)
+        if not records:
+            print(
+                f"{PROG}: {run_dir} holds no logged completions ({SAMPLES_FILE} is missing or empty). "
+                "grpo-train writes them when trainer.log_completions > 0 (the default).",
+                file=sys.stderr,
+            )
+            return EXIT_USER_ERROR
+        steps = sorted({r["step"] for r in records})
+        step = steps[-1] if step_arg == "last" else int(step_arg)
+        chosen = sorted((r for r in records if r["step"] == step), key=lambda r: (r["group"], -r["reward"]))
+        if not chosen:
+            print(
+                f"{PROG}: {run_dir} logged no completions at step {step}; it logged steps "
+                f"{steps[0]}-{steps[-1]} ({len(steps)} steps).",
+                file=sys.stderr,
+            )
+            return EXIT_USER_ERROR
+        names = list(chosen[0]["rewards"])
+        for group in sorted({r["group"] for r in chosen}):
+            members = [r for r in chosen if r["group"] == group]
+            console.print(
+                f"[bold]{run_dir}, step {step}, group {group}:[/bold] {shorten(members[0]['prompt'], 200)}",
+                soft_wrap=True,
+                markup=True,
+                highlight=False,
+            )
+            console.print(records_table(members, names, width=200))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -104,7 +150,15 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     parser.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a run folder or a sweep folder")
+    parser.add_argument(
+        "--samples",
+        metavar="STEP",
+        help="print the completions a run logged at STEP (completions.jsonl; 'last' for its latest step) "
+        "instead of the summary",
+    )
     args = parser.parse_args(argv)
+    if args.samples is not None:
+        sys.exit(print_samples(args.paths, args.samples))
     found, problems = [], []
     for path in args.paths:
         try:

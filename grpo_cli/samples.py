@@ -1,0 +1,138 @@
+"""What the model wrote: each step's sampled completions as records for `completions.jsonl` in the
+run folder, the console's compact samples table, and reading them back (`grpo-report --samples`).
+
+A record is one completion of the rollout a step trained on (dynamic sampling: the groups it
+kept), with its prompt as the dataset gave it, each reward's value, the weighted total, the
+advantage, its length in tokens, whether it was truncated (no EOS within sampler.max_new_tokens)
+and whether its group was zero-std (no learning signal). The file keeps texts whole; the console
+shortens them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+SAMPLES_FILE = "completions.jsonl"
+CONSOLE_CHARS = 40  # a shortened text on the console: the start, then "…"
+
+
+def step_records(
+    step: int,
+    prompts: list[Any],
+    texts: list[str],
+    reward_values: dict[str, list[float | None]],
+    totals: list[float],
+    advantages: list[float],
+    lengths: list[int],
+    truncated: list[bool],
+    zero_std: list[bool],
+    group_size: int,
+) -> list[dict[str, Any]]:
+    """One record per completion (rows in rollout order, `group_size` consecutive rows a group)."""
+    return [
+        {
+            "step": step,
+            "group": i // group_size,
+            "prompt": prompts[i],
+            "completion": texts[i],
+            "rewards": {name: values[i] for name, values in reward_values.items()},
+            "reward": totals[i],
+            "advantage": advantages[i],
+            "length": lengths[i],
+            "truncated": truncated[i],
+            "zero_std": zero_std[i],
+        }
+        for i in range(len(texts))
+    ]
+
+
+def shorten(text: Any, limit: int = CONSOLE_CHARS) -> str:
+    """A text for one console cell: newlines as ⏎, cut to `limit` characters with "…"."""
+    if isinstance(text, list):  # chat messages: the last one's content
+        text = text[-1].get("content", "") if text and isinstance(text[-1], dict) else str(text)
+    flat = str(text).replace("\r", "").replace("\n", "⏎")
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def showcase(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The console's row for a step: the group whose rewards differ most (the most informative;
+    the first group when every group is zero-std), its best and worst completion side by side."""
+    groups: dict[int, list[dict]] = {}
+    for record in records:
+        groups.setdefault(record["group"], []).append(record)
+    if not groups:
+        return None
+    members = max(groups.values(), key=lambda g: max(r["reward"] for r in g) - min(r["reward"] for r in g))
+    best = max(members, key=lambda r: r["reward"])
+    worst = min(members, key=lambda r: r["reward"])
+    return {"step": records[0]["step"], "prompt": members[0]["prompt"], "best": best, "worst": worst}
+
+
+def _cell(record: dict[str, Any]) -> str:
+    mark = " (cut)" if record["truncated"] else ""
+    return f"{shorten(record['completion'])!r}{mark}"
+
+
+def showcase_table(rows: list[dict[str, Any]]) -> Table:
+    """The compact table: per logged step, one group's prompt and its best and worst completion
+    with their total rewards."""
+    table = Table(title="samples (best and worst of a group)", box=None, pad_edge=False, header_style="bold")
+    # One line per step: rich shrinks the text columns to the console's width, cutting with "…".
+    table.add_column("step", justify="right", no_wrap=True, min_width=4)
+    table.add_column("prompt", no_wrap=True, overflow="ellipsis", max_width=28)
+    table.add_column("best", no_wrap=True, overflow="ellipsis")
+    table.add_column("r", justify="right", no_wrap=True, min_width=4)
+    table.add_column("worst", no_wrap=True, overflow="ellipsis")
+    table.add_column("r", justify="right", no_wrap=True, min_width=4)
+    for row in rows:
+        table.add_row(
+            str(row["step"]),
+            shorten(row["prompt"]),
+            _cell(row["best"]),
+            f"{row['best']['reward']:.3g}",
+            _cell(row["worst"]),
+            f"{row['worst']['reward']:.3g}",
+        )
+    return table
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of completions.jsonl; a last line cut short (a run still writing) is skipped."""
+    path = run_dir / SAMPLES_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def records_table(records: list[dict[str, Any]], reward_names: list[str], width: int = 60) -> Table:
+    """Every record of a step as a table row (grpo-report --samples): group, each reward, total,
+    advantage, length, flags, the completion shortened to `width` characters."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("group", *reward_names, "reward", "adv", "len"):
+        table.add_column(name, justify="right")
+    table.add_column("flags")
+    table.add_column("completion", overflow="fold")
+    for r in records:
+        flags = ",".join(f for f, on in (("cut", r["truncated"]), ("zero-std", r["zero_std"])) if on)
+        values = [r["rewards"].get(name) for name in reward_names]
+        table.add_row(
+            str(r["group"]),
+            *["None" if v is None else f"{v:.3g}" for v in values],
+            f"{r['reward']:.3g}",
+            f"{r['advantage']:+.2f}" if math.isfinite(r["advantage"]) else str(r["advantage"]),
+            str(r["length"]),
+            flags,
+            shorten(r["completion"], width),
+        )
+    return table
