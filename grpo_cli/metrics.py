@@ -182,7 +182,7 @@ class MetricsLogger:
                 table.add_row(*[_fmt(row.get(col)) for col in TABLE_COLUMNS])
             self.progress.console.print(table)
         if shown:
-            self.progress.console.print(showcase_table(shown))
+            self.progress.console.print(showcase_table(shown, width=self.progress.console.width))
 
     def print(self, *args, **kwargs) -> None:
         self.progress.console.print(*args, **kwargs)

@@ -73,29 +73,29 @@ def showcase(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"step": records[0]["step"], "prompt": members[0]["prompt"], "best": best, "worst": worst}
 
 
-def _cell(record: dict[str, Any]) -> str:
+def _cell(record: dict[str, Any], limit: int) -> str:
     mark = " (cut)" if record["truncated"] else ""
-    return f"{shorten(record['completion'])!r}{mark}"
+    return repr(shorten(record["completion"], max(limit - len(mark) - 2, 4))) + mark
 
 
-def showcase_table(rows: list[dict[str, Any]]) -> Table:
+def showcase_table(rows: list[dict[str, Any]], width: int = 80) -> Table:
     """The compact table: per logged step, one group's prompt and its best and worst completion
-    with their total rewards."""
+    with their total rewards, one line each in a console `width` characters wide (the texts are
+    cut to fit here, so that rich never has to drop a column)."""
+    # step, two rewards (4 each) and the 2-space gaps between 6 columns take 22 characters.
+    room = max(width - 22, 30)
+    prompt_chars, text_chars = room * 3 // 10, room * 7 // 20
     table = Table(title="samples (best and worst of a group)", box=None, pad_edge=False, header_style="bold")
-    # One line per step: rich shrinks the text columns to the console's width, cutting with "…".
-    table.add_column("step", justify="right", no_wrap=True, min_width=4)
-    table.add_column("prompt", no_wrap=True, overflow="ellipsis", max_width=28)
-    table.add_column("best", no_wrap=True, overflow="ellipsis")
-    table.add_column("r", justify="right", no_wrap=True, min_width=4)
-    table.add_column("worst", no_wrap=True, overflow="ellipsis")
-    table.add_column("r", justify="right", no_wrap=True, min_width=4)
+    table.add_column("step", justify="right", no_wrap=True)
+    for name in ("prompt", "best", "r", "worst", "r"):
+        table.add_column(name, justify="right" if name == "r" else "left", no_wrap=True)
     for row in rows:
         table.add_row(
             str(row["step"]),
-            shorten(row["prompt"]),
-            _cell(row["best"]),
+            shorten(row["prompt"], prompt_chars),
+            _cell(row["best"], text_chars),
             f"{row['best']['reward']:.3g}",
-            _cell(row["worst"]),
+            _cell(row["worst"], text_chars),
             f"{row['worst']['reward']:.3g}",
         )
     return table

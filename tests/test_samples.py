@@ -167,3 +167,20 @@ def test_grpo_reward_test_chat_flag_runs_a_trl_reward(tmp_path):
     plain = run_cli([script, *args, "-c", "b"], tmp_path, env=env)
     assert plain.returncode == 2 and "reward 'fmt' raised TypeError" in plain.stderr, plain.stderr
     assert "chat messages" in plain.stderr  # the hint: TRL's conversational format, and when it applies
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_samples_table_keeps_every_column_on_one_line(width):
+    """Long texts are cut to fit the console, so no column is dropped or wrapped."""
+    rows = [
+        showcase(records(step, text="a long rambling completion that goes on\nand on " * 5))
+        for step in (8, 9)
+    ]
+    console = Console(width=width, record=True)
+    console.print(showcase_table(rows, width=width))
+    lines = console.export_text().splitlines()
+    body = [line for line in lines if line.strip()[:1].isdigit()]
+    assert [line.split()[0] for line in body] == ["8", "9"], lines
+    assert all(line.rstrip().endswith("0") and "1.2" in line and "…" in line for line in body), lines
+    assert all(len(line.rstrip()) <= width for line in lines)
+    assert "step" in lines[1] and lines[1].count(" r") == 2, lines
