@@ -77,6 +77,7 @@ def test_settings_decide_which_checks_apply():
     assert feed(HealthMonitor(), [{"step": 0, "entropy": float("nan")}] * 8) == []
 
 
+SIGNAL = ["reward=[]", "+reward.code.fn=reward_fixtures:char_code"]  # rewards that differ in every group
 TINY = [
     "model=tiny",
     "data.num_examples=64",
@@ -107,8 +108,17 @@ TINY = [
             ],
             ["truncated completions"],
         ),
+        # Several updates per rollout with a learning rate too small to move the ratio: no clipping.
+        (
+            [*SIGNAL, "trainer.num_iterations=2", "optimizer.learning_rate=1e-7", "trainer.max_steps=5"],
+            ["clip ratio"],
+        ),
+        # A learning rate far too high with a KL anchor: the policy leaves the reference at once.
+        ([*SIGNAL, "loss.beta=0.04", "optimizer.learning_rate=5e-2", "trainer.max_steps=3"], ["KL"]),
+        # ...and without one, its entropy collapses to ~0 within ten steps.
+        ([*SIGNAL, "optimizer.learning_rate=0.1", "trainer.max_steps=12"], ["entropy collapse"]),
     ],
-    ids=["zero-std", "truncated"],
+    ids=["zero-std", "truncated", "clip-ratio", "kl", "entropy"],
 )
 def test_a_real_run_warns_once_and_sums_up(compose, tmp_path, capsys, overrides, expected):
     run(compose(TINY + overrides), tmp_path)
