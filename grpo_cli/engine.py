@@ -181,7 +181,11 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         run_config=yaml.safe_load(config_yaml) if config_yaml else None,
     )
     health = HealthMonitor(
-        num_iterations=t.num_iterations, beta=lo.beta, enabled=t.health_checks, resume_step=start_step
+        num_iterations=t.num_iterations,
+        beta=lo.beta,
+        dynamic_sampling=t.dynamic_sampling,
+        enabled=t.health_checks,
+        resume_step=start_step,
     )
     with log, _StopFlag(quiet=not d.is_main) as stop:
         if t.eval_before and parts.eval_examples and not parts.resumed_from:
@@ -198,6 +202,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     f"step {step}: every sampled group was zero-std after {t.max_sampling_tries} tries; "
                     "no update (consider harder/easier data or a higher temperature)"
                 )
+                for warning in health.check({"step": step, "frac_reward_zero_std": 1.0}):
+                    log.warn(warning)
                 log.advance(step)
                 continue
             batch = sampled.batch
@@ -381,7 +387,12 @@ def _completion_records(batch: Rollout, sampled: Sampled, tokenizer, step: int, 
     """The first `limit` completions of the rollout trained on, as completions.jsonl records."""
     n = min(limit, batch.rewards.shape[0])
     texts = decode_completions(tokenizer, batch.completion_ids[:n], batch.completion_mask[:n])
-    values = batch.reward_values[:n].T.tolist()  # [R][n]
+
+    # fp32 values to 8 significant digits (fp32 holds about 7): 1.2, not 1.2000000476837158.
+    def floats(t: torch.Tensor) -> list:
+        return [float(f"{v:.8g}") for v in t.tolist()]
+
+    values = [floats(column) for column in batch.reward_values[:n].T]  # [R][n]
     return step_records(
         step,
         prompts=[sampled.examples[i].prompt for i in batch.prompt_index[:n].tolist()],
@@ -390,8 +401,8 @@ def _completion_records(batch: Rollout, sampled: Sampled, tokenizer, step: int, 
             name: [None if math.isnan(v) else v for v in column]
             for name, column in zip(sampled.per_reward, values)
         },
-        totals=batch.rewards[:n].tolist(),
-        advantages=batch.advantages[:n].tolist(),
+        totals=floats(batch.rewards[:n]),
+        advantages=floats(batch.advantages[:n]),
         lengths=batch.lengths[:n].tolist(),
         truncated=batch.truncated[:n].tolist(),
         zero_std=batch.zero_std[:n].tolist(),

@@ -7,7 +7,9 @@ a trend) must hold for `steps` steps in a row. The thresholds, and why:
 
 - no learning signal: frac_reward_zero_std >= 0.8 for 5 steps (four groups in five carry no
   gradient; ref 002);
-- truncation: completions/clipped_ratio > 0.5 for 2 steps (a cut-off answer usually scores 0);
+- truncation: completions/clipped_ratio > 0.5 for 3 steps (a cut-off answer usually scores 0;
+  an instruct model's first steps often ramble past a short limit until it learns the format,
+  as the default recipe does for two steps: not yet a trend);
 - flat rewards: reward_std < 0.1 for 5 steps (ref 004: it should stay above ~0.1);
 - entropy collapse: entropy under 0.1 nats per token and under 20% of the run's first step,
   for 3 steps. At 0.1 a sampled token is the likeliest one ~98% of the time, so most of a
@@ -16,8 +18,9 @@ a trend) must hold for `steps` steps in a row. The thresholds, and why:
   (short answers are low-entropy text) while its groups still differ and accuracy still rises;
 - KL: kl > 0.5 nats per token with loss.beta > 0 (ref 004: kl starts near 0 and grows slowly; a
   jump means the policy left the reference; k3 at 0.5 is a far-off policy);
-- clipping: clip_ratio/region_mean outside 5%-30% for 5 steps when trainer.num_iterations > 1
-  (ref 004: healthy ~5%-30%; on-policy, one update per rollout, the ratio is 1 and never clips);
+- clipping: the last update's clip ratio (clip_ratio/region_mean_last) outside 5%-30% for 5
+  steps when trainer.num_iterations > 1 (ref 004: healthy ~5%-30%; the first update of a rollout
+  has ratio 1 and never clips, so the mean over updates would shift the band);
 - sampler/trainer mismatch: sampler/logp_diff_mean > 0.1 (bf16 decode measures ~0.03 here;
   fp32 ~1e-6): the sampled tokens are scored differently from how they were drawn.
 """
@@ -42,13 +45,23 @@ class Rule:
     held: list[int] = field(default_factory=list)  # the steps it held on (after its streak began)
 
 
+def _outside(value: float, low: float, high: float) -> bool:
+    """Whether a value lies outside [low, high]; a missing (NaN) one does not."""
+    return value < low or value > high
+
+
 def _value(row: Row, key: str) -> float:
     value = row.get(key)
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
 
 
-def rules(num_iterations: int, beta: float) -> list[Rule]:
+def rules(num_iterations: int, beta: float, dynamic_sampling: bool = False) -> list[Rule]:
     """The checks that apply to this run's settings."""
+    more = (
+        "trainer.dynamic_sampling is on and trains on the groups with signal, but most rollouts are wasted"
+        if dynamic_sampling
+        else "set trainer.dynamic_sampling=true to train only on groups with signal"
+    )
     found = [
         Rule(
             "no learning signal",
@@ -58,17 +71,17 @@ def rules(num_iterations: int, beta: float) -> list[Rule]:
                 f"{_value(r, 'frac_reward_zero_std'):.0%} of the sampled groups were zero-std (every "
                 "completion of a prompt scored alike) for 5 steps in a row: they carry no learning signal. "
                 "Raise sampler.temperature, use data the model sometimes solves (the pass-rate histogram "
-                "pass_rate_hist in metrics.jsonl shows where it stands), set trainer.dynamic_sampling=true "
-                "to train only on groups with signal, and check the reward with grpo-reward-test."
+                f"pass_rate_hist in metrics.jsonl shows where it stands; {more}), and check the reward with "
+                "grpo-reward-test."
             ),
         ),
         Rule(
             "truncated completions",
-            2,
+            3,
             lambda r, first: _value(r, "completions/clipped_ratio") > 0.5,
             lambda r: (
                 f"{_value(r, 'completions/clipped_ratio'):.0%} of the completions hit "
-                "sampler.max_new_tokens without an end of sequence, 2 steps in a row: a cut-off answer "
+                "sampler.max_new_tokens without an end of sequence, 3 steps in a row: a cut-off answer "
                 "usually scores 0. Raise sampler.max_new_tokens, or set "
                 "loss.mask_truncated_completions=true to leave them out of the loss."
             ),
@@ -125,10 +138,11 @@ def rules(num_iterations: int, beta: float) -> list[Rule]:
             Rule(
                 "clip ratio",
                 5,
-                lambda r, first: not 0.05 <= _value(r, "clip_ratio/region_mean") <= 0.3,
+                lambda r, first: _outside(_value(r, "clip_ratio/region_mean_last"), 0.05, 0.3),
                 lambda r: (
-                    f"clip_ratio/region_mean={_value(r, 'clip_ratio/region_mean'):.1%}, outside the healthy "
-                    "5%-30% for 5 steps in a row (trainer.num_iterations > 1). Above 30%: the updates are too "
+                    f"clip_ratio/region_mean_last={_value(r, 'clip_ratio/region_mean_last'):.1%}: the last "
+                    "update of each rollout clipped outside the healthy 5%-30% of its tokens, 5 steps in a "
+                    "row (trainer.num_iterations > 1). Above 30%: the updates are too "
                     "large (lower optimizer.learning_rate or raise loss.epsilon); below 5%: too small (raise "
                     "optimizer.learning_rate)."
                 ),
@@ -141,18 +155,24 @@ class HealthMonitor:
     """Feed it every step's metrics row (`check`); it returns the warnings to print now."""
 
     def __init__(
-        self, *, num_iterations: int = 1, beta: float = 0.0, enabled: bool = True, resume_step: int = 0
+        self,
+        *,
+        num_iterations: int = 1,
+        beta: float = 0.0,
+        dynamic_sampling: bool = False,
+        enabled: bool = True,
+        resume_step: int = 0,
     ):
-        self.rules = rules(num_iterations, beta) if enabled else []
+        self.rules = rules(num_iterations, beta, dynamic_sampling) if enabled else []
         self.first: Row | None = None
         self.resume_step = resume_step
 
     def check(self, row: Row) -> list[str]:
-        if self.first is None:
+        if self.first is None and "entropy" in row:  # the baseline: the first row of a step that trained
             self.first = row
         said = []
         for rule in self.rules:
-            if not rule.holds(row, self.first):  # (NaN compares false: a missing metric never holds)
+            if not rule.holds(row, self.first or {}):  # (NaN compares false: a missing metric never holds)
                 rule.streak = 0
                 continue
             rule.streak += 1

@@ -99,7 +99,7 @@ class MetricsLogger:
                 self.trackers.append(
                     tracker(
                         run_dir,
-                        run_name=run_name or run_dir.name,
+                        run_name=run_name or _run_name(run_dir),
                         config=run_config or {},
                         resume_step=resume_step,
                     )
@@ -222,6 +222,16 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _run_name(run_dir: Path) -> str:
+    """A tracker's name for the run: its folder, relative to the working directory where it lies
+    below it (outputs/2026-12-01/10-58-01-<id>, multirun/<...>/0). Unique, unlike the folder's own
+    name (a sweep's jobs are 0, 1, ...), since Trackio resumes a run by its name."""
+    try:
+        return str(run_dir.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(run_dir.resolve())
 
 
 def _restart(path: Path, resume_step: int) -> None:

@@ -389,3 +389,22 @@ def test_wandb_without_credentials_online_is_a_problem(
             "WANDB_API_KEY",
         ):
             assert fragment in problems[0], problems[0]
+
+
+def test_a_checkpoints_config_is_not_held_to_its_runs_trackers_or_ignored_keys(tmp_path, monkeypatch):
+    """grpo-eval / grpo-export --checkpoint: a sweep job's config with a key its option ignored, or
+    a run that logged to W&B (offline then, not installed or logged in now), still loads."""
+    from omegaconf import OmegaConf
+
+    from grpo_cli.cli.common import compose_config
+
+    saved = OmegaConf.create(
+        {"model": {"name_or_path": "builtin:tiny"}, "reward": {"accuracy": {}}, "adapter": {"r": 4}}
+    )
+    saved.trainer = {"report_to": ["jsonl", "wandb"]}
+    OmegaConf.save(saved, tmp_path / "config.yaml")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    cfg = compose_config([], checkpoint=str(tmp_path))
+    assert cfg.trainer.report_to == ["jsonl"] and cfg.adapter.r == 4

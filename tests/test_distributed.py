@@ -24,6 +24,7 @@ import torch
 from conftest import TESTS, console_script, grpo, grpo_env
 
 from grpo_cli.distributed import prompt_seed, shard
+from grpo_cli.samples import read_records
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -165,6 +166,24 @@ def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folde
         # whole agrees within a few percent, single weights need not.
         bf16 = "bf16" in case
         assert rel < 0.1 if bf16 else (rel < 1e-3 and max_diff < 1e-2 * moved), case
+        # The logged completions (gathered from the ranks, in one process's order): the same prompts,
+        # texts, rewards and flags; the advantages up to float rounding.
+        logged1, logged2 = (read_records(tmp_path / w / case) for w in ("w1", "w2"))
+        fixed = (
+            "step",
+            "group",
+            "prompt",
+            "completion",
+            "rewards",
+            "reward",
+            "length",
+            "truncated",
+            "zero_std",
+        )
+        assert logged1 and [[r[k] for k in fixed] for r in logged1] == [
+            [r[k] for k in fixed] for r in logged2
+        ], case
+        assert [r["advantage"] for r in logged2] == pytest.approx([r["advantage"] for r in logged1], abs=1e-5)
         rows1, rows2 = metrics(tmp_path / "w1" / case), metrics(tmp_path / "w2" / case)
         assert [r["step"] for r in rows1] == [r["step"] for r in rows2], case
         for r1, r2 in zip(rows1, rows2):  # the metrics: rewards exactly (same samples), the rest closely
@@ -301,9 +320,18 @@ def test_ctrl_c_stops_every_process_saves_and_says_how_to_resume_once(tmp_path):
 
 def test_a_sweep_runs_each_job_with_two_processes(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", *SMALL, "trainer.max_steps=1", f"hydra.sweep.dir={sweep}", "loss.beta=0,0.04"]
+    # loss.tis_cap applies to neither job (no TIS): in a sweep that is a note, in the workers too.
+    args = [
+        "-m",
+        *SMALL,
+        "trainer.max_steps=1",
+        f"hydra.sweep.dir={sweep}",
+        "loss.beta=0,0.04",
+        "loss.tis_cap=3",
+    ]
     res = grpo(args, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stderr.count("note: loss.tis_cap=3.0 is ignored") == 2, res.stderr
     for job in ("0", "1"):
         state = torch.load(
             sweep / job / "checkpoints" / "step-000001" / "trainer_state.pt", weights_only=True

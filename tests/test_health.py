@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from grpo_cli.cli.train import train_config as run
 from grpo_cli.health import HealthMonitor
+
+DATA = Path(__file__).parent / "data"
 
 # A healthy row: every check passes.
 HEALTHY = {
@@ -17,20 +20,21 @@ HEALTHY = {
     "entropy": 1.0,
     "kl": 0.01,
     "clip_ratio/region_mean": 0.1,
+    "clip_ratio/region_mean_last": 0.2,
     "sampler/logp_diff_mean": 1e-6,
 }
 
 # (name, the bad values, steps in a row it needs, settings, words of the warning's fix)
 CASES = [
     ("no learning signal", {"frac_reward_zero_std": 0.875}, 5, {}, "trainer.dynamic_sampling=true"),
-    ("truncated completions", {"completions/clipped_ratio": 0.6}, 2, {}, "sampler.max_new_tokens"),
+    ("truncated completions", {"completions/clipped_ratio": 0.6}, 3, {}, "sampler.max_new_tokens"),
     ("flat rewards", {"reward_std": 0.05}, 5, {}, "grpo-reward-test"),
     ("entropy collapse", {"entropy": 0.05}, 3, {}, "optimizer.learning_rate"),
     ("KL", {"kl": 0.8}, 1, {"beta": 0.04}, "loss.beta"),
-    ("clip ratio", {"clip_ratio/region_mean": 0.45}, 5, {"num_iterations": 2}, "loss.epsilon"),
+    ("clip ratio", {"clip_ratio/region_mean_last": 0.45}, 5, {"num_iterations": 2}, "loss.epsilon"),
     (
         "clip ratio",
-        {"clip_ratio/region_mean": 0.01},
+        {"clip_ratio/region_mean_last": 0.01},
         5,
         {"num_iterations": 2},
         "raise optimizer.learning_rate",
@@ -73,8 +77,29 @@ def test_settings_decide_which_checks_apply():
     assert feed(HealthMonitor(), [{**HEALTHY, "entropy": 1.5}] + [{**HEALTHY, "entropy": 0.27}] * 8) == []
     # ...nor is a model that starts low (under 0.1, but not under 20% of its start).
     assert feed(HealthMonitor(), [{**HEALTHY, "entropy": 0.09}] + [{**HEALTHY, "entropy": 0.05}] * 8) == []
-    # A missing or NaN metric never holds (e.g. no entropy logged).
+    # A missing or NaN metric never holds (e.g. no entropy logged), with every check on.
     assert feed(HealthMonitor(), [{"step": 0, "entropy": float("nan")}] * 8) == []
+    assert feed(HealthMonitor(num_iterations=2, beta=0.04), [{"step": 0}] * 8) == []
+    # With two updates per rollout the first one never clips: the band is the last update's.
+    assert feed(HealthMonitor(num_iterations=2), [{**HEALTHY, "clip_ratio/region_mean": 0.04}] * 8) == []
+
+
+def test_no_signal_advice_fits_dynamic_sampling():
+    rows = [{**HEALTHY, "frac_reward_zero_std": 0.9}] * 5
+    (off,) = [text for _, text in feed(HealthMonitor(), rows)]
+    (on,) = [text for _, text in feed(HealthMonitor(dynamic_sampling=True), rows)]
+    assert "set trainer.dynamic_sampling=true" in off and "dynamic_sampling=true" not in on
+    assert "trainer.dynamic_sampling is on" in on
+
+
+def test_the_default_recipes_real_run_warns_of_its_entropy_collapse_only():
+    """The metric rows of a real default-recipe run (fp32, seed 0; README "Watching a run"): two
+    rambling first steps are no truncation problem; entropy under 0.1 from step 24 on, with half
+    to three quarters of the groups zero-std, is the one warning."""
+    rows = [json.loads(line) for line in (DATA / "default_recipe_health_rows.jsonl").read_text().splitlines()]
+    monitor = HealthMonitor()
+    said = [(step, text) for row in rows for step, text in [(row["step"], t) for t in monitor.check(row)]]
+    assert [step for step, _ in said] == [24] and "entropy fell to 0.0887" in said[0][1], said
 
 
 SIGNAL = ["reward=[]", "+reward.code.fn=reward_fixtures:char_code"]  # rewards that differ in every group
@@ -104,7 +129,7 @@ TINY = [
                 "reward=[]",
                 "+reward.code.fn=reward_fixtures:char_code",
                 "sampler.ignore_eos=true",
-                "trainer.max_steps=2",
+                "trainer.max_steps=3",
             ],
             ["truncated completions"],
         ),

@@ -34,6 +34,8 @@ import pytest
 import torch
 from conftest import ROOT, console_script, grpo, grpo_env
 
+from grpo_cli.samples import read_records
+
 # Console scripts and end-to-end runs: the slow tier (pytest -m "not slow" skips them).
 pytestmark = pytest.mark.slow
 
@@ -719,6 +721,9 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run_bit_for_bit(
     expected, got = read_metrics(uninterrupted), read_metrics(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     assert _comparable(got) == _comparable(expected)  # every metric of every step, exactly
+    # The logged completions too: cut back to step 3 on resume, then the same texts and numbers.
+    completions = read_records(run_dir)
+    assert completions == read_records(uninterrupted) and {r["step"] for r in completions} == set(range(1, 7))
     final_a = load_params(uninterrupted / "checkpoints" / "step-000006")
     final_b = load_params(run_dir / "checkpoints" / "step-000006")
     assert final_a.keys() == final_b.keys()

@@ -39,6 +39,10 @@ def compose_config(
             if bad:
                 raise UserError(f"with --checkpoint only key=value overrides apply, not {bad}.")
             cfg.merge_with_dotlist(overrides)
+            # Evaluating or exporting logs to no tracker (the run's W&B may not be installed or
+            # logged in here), and a setting its run ignored (a sweep's adapter.r with adapter=none)
+            # stays ignored: neither is a problem for this checkpoint.
+            cfg.trainer.report_to = ["jsonl"]
             if cfg.adapter.name != "none":  # base model (config.yaml's) + the checkpoint's adapter
                 cfg.adapter.path = str(Path(checkpoint).resolve())
             else:  # the checkpoint is the full model
@@ -60,7 +64,7 @@ def compose_config(
             )
         raise UserError(message) from exc
     if check:
-        problems = validate(cfg)
+        problems = validate(cfg, unused_ok=bool(checkpoint))
         if problems:
             raise UserError("invalid configuration: " + " ".join(problems))
     return cfg

@@ -156,7 +156,8 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
     trainer.num_processes > 1: start that many workers (this same command) and wait for them;
     a worker (started by torchrun or by that launcher) joins the others first."""
     d = distributed.from_env()
-    problems = validate(cfg, unused_ok=in_sweep)
+    # A sweep job's workers (trainer.num_processes) run as plain runs: the launcher marks them.
+    problems = validate(cfg, unused_ok=in_sweep or os.environ.get(_SWEEP_JOB) == "1")
     if in_sweep and d.is_main:  # a setting shared by every job of a sweep may not apply to this one
         for note in unused_settings(cfg):
             print(f"grpo-train: note: {note}", file=sys.stderr, flush=True)
@@ -264,6 +265,8 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: b
     n = cfg.trainer.num_processes
     _check_devices(cfg, n)
     args = _config_flags(sys.argv[1:]) + list(overrides) + [f"hydra.run.dir={run_dir}"]
+    if in_sweep:
+        os.environ[_SWEEP_JOB] = "1"  # the workers inherit it
     try:
         distributed.launch(_entry_command(), args, n, cfg.trainer.distributed_timeout)
     except ChildFailedError as exc:
@@ -283,6 +286,12 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: b
         ) from None
     except SignalException as exc:  # Ctrl-C: the workers finished their step, saved and said so
         raise SystemExit(128 + int(exc.sigval)) from None
+    finally:
+        os.environ.pop(_SWEEP_JOB, None)
+
+
+# Set for the workers of a sweep job with trainer.num_processes > 1 (see _run's validation).
+_SWEEP_JOB = "GRPO_SWEEP_JOB"
 
 
 def _check_devices(cfg: DictConfig, n: int) -> None:
