@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,20 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
+def _finished_wandb_records(path: Path, timeout: float = 60.0) -> list:
+    """The run file's records once W&B has written its exit record: wandb.finish() can return
+    while its core process is still writing the file (seen on a loaded CI machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = _wandb_records(path)
+        except Exception:  # noqa: BLE001 - a record still being written: read again
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def test_wandb_offline_logs_the_rows_samples_and_config(wandb_offline: Path):
     tracker = trackers.Wandb(wandb_offline, run_name="unit", config=CONFIG)
     for row in ROWS:
@@ -99,7 +114,7 @@ def test_wandb_offline_logs_the_rows_samples_and_config(wandb_offline: Path):
 
     run_id = (wandb_offline / "wandb-run-id").read_text().strip()
     (path,) = wandb_offline.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
-    records = _wandb_records(path)
+    records = _finished_wandb_records(path)
 
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.run_id, run.project, run.display_name) == (run_id, "grpo-cli", "unit")
@@ -261,7 +276,7 @@ def test_a_training_run_sends_metrics_jsonl_rows_and_its_config_to_wandb(wandb_o
     train_config(cfg, wandb_offline)
     run_id = (wandb_offline / "wandb-run-id").read_text().strip()
     (path,) = wandb_offline.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
-    records = _wandb_records(path)
+    records = _finished_wandb_records(path)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["trainer"]["report_to"] == ["jsonl", "wandb"] and config["model"]["name_or_path"]
