@@ -375,7 +375,12 @@ def char_tokenizer(vocab_size: int | None = None):
 
 def build_tiny(folder: Path | None = None) -> Path:
     """A ~0.2M-parameter Llama with a character-level tokenizer, built offline and cached."""
-    folder = folder or cache_dir() / f"tiny-{TINY_VERSION}"
+    # One folder per transformers major version: the tokenizer files transformers 5 saves name a
+    # class (TokenizersBackend) that 4.x cannot load, so a cache shared by both breaks one of them.
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
+    folder = folder or cache_dir() / f"tiny-{TINY_VERSION}-transformers{major}"
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
         return folder
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -9,6 +9,7 @@ numbers: re-record them with the command in each test, and say why in the commit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, console_script, run_cli
@@ -58,17 +59,26 @@ TINY = [
 ]
 
 
-RECORDED_WITH = {"transformers": "4.57.6", "torch": "2.13.0+cpu"}
+RECORDED_WITH = {"transformers": "4.57.6", "torch": "2.13.0+cpu", "avx512f": True}
+
+
+def _avx512() -> bool:
+    """Whether this CPU has AVX-512: the recording machine's kernels (their reduction order, and
+    so the last bits) differ from an AVX2-only CPU's."""
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 @pytest.fixture(autouse=True)
 def same_versions():
-    """Bit for bit holds for the versions the numbers were recorded with (other kernels, other
-    rounding); with others these tests are skipped, and the rest of the suite still runs."""
+    """Bit for bit holds for the versions and the CPU kind the numbers were recorded with (other
+    kernels, other rounding); elsewhere these tests are skipped, and the rest of the suite runs."""
     import torch
     import transformers
 
-    installed = {"transformers": transformers.__version__, "torch": torch.__version__}
+    installed = {"transformers": transformers.__version__, "torch": torch.__version__, "avx512f": _avx512()}
     if installed != RECORDED_WITH:
         pytest.skip(f"recorded with {RECORDED_WITH}, running {installed}")
 
