@@ -15,12 +15,11 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from grpo_cli import checkpoint as ckpt
 from grpo_cli import guards, selfcheck
@@ -178,7 +177,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         writer=d.is_main,  # rank 0 alone writes metrics and prints
         resume_step=start_step,
         report_to=tuple(t.report_to),
-        run_config=yaml.safe_load(config_yaml) if config_yaml else None,
+        run_config=asdict(cfg),  # for W&B / Trackio
     )
     health = HealthMonitor(
         num_iterations=t.num_iterations,

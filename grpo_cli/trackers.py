@@ -92,6 +92,21 @@ def _rows(records: list[dict]) -> tuple[list[str], list[list[Any]]]:
     return columns, [[cells.get(col) for col in columns] for cells in flat]
 
 
+def _log_row(run, row: dict[str, Any]) -> None:
+    """A metrics row's numbers to a W&B or Trackio run (both take run.log(dict, step=))."""
+    metrics = _numbers(row)
+    if metrics:
+        run.log(metrics, step=int(row["step"]))
+
+
+def _log_table(run, table, step: int, records: list[dict]) -> None:
+    """Sample records as a `table` (wandb.Table or trackio.Table: one row per record, a column
+    per key) named "completions" at `step`."""
+    if records:
+        columns, rows = _rows(records)
+        run.log({SAMPLES_KEY: table(columns=columns, data=rows)}, step=step)
+
+
 def _new_wandb_id() -> str:
     # W&B's own form (8 lowercase letters and digits); wandb.util no longer exports generate_id.
     alphabet = string.ascii_lowercase + string.digits
@@ -139,16 +154,12 @@ class Wandb:
             ) from exc
 
     def log(self, row: dict[str, Any]) -> None:
-        metrics = _numbers(row)
-        if metrics:
-            self.run.log(metrics, step=int(row["step"]))
+        _log_row(self.run, row)
 
     def log_samples(self, step: int, records: list[dict]) -> None:
-        """A table of completions (one row per record, a column per key) named "completions".
-        W&B drops it with a warning if `step` is below the last step logged."""
-        if records:
-            columns, rows = _rows(records)
-            self.run.log({SAMPLES_KEY: self._wandb.Table(columns=columns, data=rows)}, step=step)
+        """A table of completions named "completions". W&B drops it with a warning if `step` is
+        below the last step logged."""
+        _log_table(self.run, self._wandb.Table, step, records)
 
     def close(self) -> None:
         self.run.finish()
@@ -187,15 +198,11 @@ class Trackio:
             ) from exc
 
     def log(self, row: dict[str, Any]) -> None:
-        metrics = _numbers(row)
-        if metrics:
-            self.run.log(metrics, step=int(row["step"]))
+        _log_row(self.run, row)
 
     def log_samples(self, step: int, records: list[dict]) -> None:
-        """A table of completions (one row per record, a column per key) named "completions"."""
-        if records:
-            columns, rows = _rows(records)
-            self.run.log({SAMPLES_KEY: self._trackio.Table(columns=columns, data=rows)}, step=step)
+        """A table of completions named "completions"."""
+        _log_table(self.run, self._trackio.Table, step, records)
 
     def close(self) -> None:
         # trackio.finish() also forgets the current run; Run.finish() alone leaves it to be finished
