@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from grpo_cli import checkpoint as ckpt
 from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
 from grpo_cli.config import Config, DataConfig, SamplerConfig
-from grpo_cli.data import Example, PromptStream, build_prompts, read_rows
+from grpo_cli.data import Example, PromptStream, arithmetic_wide_rows, build_prompts, read_rows, to_examples
 from grpo_cli.distributed import Dist, shard_model, wrap_scorer
 from grpo_cli.errors import UserError, first_line
 from grpo_cli.logprobs import TokenLogprobs
@@ -82,6 +82,36 @@ def build_tokenizer(cfg: Config, log) -> tuple[ModelSource, Any]:
         trust_remote_code=m.trust_remote_code,
     )
     return source, tokenizer
+
+
+def read_wide_eval(cfg: Config) -> list[dict]:
+    """The second held-out set's rows (built-in arithmetic, data.wide_eval_max_operand), or []."""
+    d = cfg.data
+    if d.source != "arithmetic" or not d.wide_eval_max_operand:
+        return []
+    return arithmetic_wide_rows(
+        d.eval_size,
+        max_operand=d.max_operand,
+        wide_max_operand=d.wide_eval_max_operand,
+        max_multiplier=d.max_multiplier,
+        operations=list(d.operations),
+        seed=cfg.trainer.seed,
+    )
+
+
+def build_wide_eval(cfg: Config, rows: list[dict], tokenizer) -> list[Example]:
+    """Tokenised prompts of the second held-out set, formatted as the held-out split is."""
+    d = cfg.data
+    return to_examples(
+        rows,
+        tokenizer,
+        where="the wide held-out set",
+        prompt_column=d.prompt_column,
+        system_prompt=d.system_prompt,
+        use_chat_template=d.use_chat_template,
+        max_prompt_length=cfg.sampler.max_prompt_length,
+        long_prompts=d.long_prompts,
+    )
 
 
 def build_data(cfg: Config, rows: tuple[list[dict], list[dict]], tokenizer):
@@ -215,6 +245,7 @@ class Parts:
     rewards: list[RewardSpec]
     stream: PromptStream  # training prompts
     eval_examples: list[Example]  # held-out prompts
+    wide_eval_examples: list[Example]  # the second held-out set (operands outside training's), or []
     optimizer: Any
     scheduler: Any
     device: Any
@@ -267,6 +298,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
         loaded = ckpt.load_training_state(resume_from)
     train_rows, eval_rows = read_data(cfg)
+    wide_rows = read_wide_eval(cfg)
     check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
     seed_everything(t.seed)
 
@@ -275,8 +307,17 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
     )
     data = build_data(cfg, (train_rows, eval_rows), tokenizer)
+    wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)
     console.print(
         f"data: {len(data.train)} training prompts, {len(data.eval)} held-out"
+        + (
+            f" and {len(wide_eval)} wide held-out (operands up to {cfg.data.wide_eval_max_operand})"
+            if wide_eval
+            else f" (no wide held-out set: data.wide_eval_max_operand={cfg.data.wide_eval_max_operand} is not "
+            f"above data.max_operand={cfg.data.max_operand})"
+            if cfg.data.source == "arithmetic" and cfg.data.wide_eval_max_operand and cfg.data.eval_size
+            else ""
+        )
         + (
             f"; {data.dropped} dropped as longer than max_prompt_length={s.max_prompt_length}"
             if data.dropped
@@ -384,6 +425,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         rewards=rewards,
         stream=stream,
         eval_examples=data.eval,
+        wide_eval_examples=wide_eval,
         optimizer=optimizer,
         scheduler=scheduler,
         device=device,

@@ -69,6 +69,15 @@ class DataConfig:
     max_operand: int = 20
     max_multiplier: int = 10
     operations: List[str] = field(default_factory=lambda: ["+", "-", "*"])
+    # A second held-out set (built-in arithmetic): data.eval_size problems with an operand above
+    # max_operand, up to this (times: the first operand; its multiplier stays up to
+    # max_multiplier). None can appear in training, so its accuracy (eval_wide/accuracy) says
+    # whether the model learned arithmetic or the training range's answers. 0, or a value not
+    # above max_operand: none (said when training starts).
+    wide_eval_max_operand: int = 50
+    # Held-out accuracy is also reported per value of this column of the held-out rows
+    # (eval/accuracy/plus, /minus, /times for the built-in arithmetic); null: no breakdown.
+    eval_group_by: Optional[str] = "operation"
 
 
 @dataclass
@@ -289,6 +298,7 @@ NON_NEGATIVE = (
     "trainer.log_completions",
     "data.eval_size",
     "data.max_multiplier",
+    "data.wide_eval_max_operand",
     "optimizer.warmup_steps",
     "optimizer.weight_decay",
     "loss.eps",
@@ -397,7 +407,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
         )
     d = cfg.data
     if d.source == "arithmetic" and d.max_operand >= 1 and d.max_multiplier >= 0:
-        from grpo_cli.data import arithmetic_space
+        from grpo_cli.data import arithmetic_space, wide_space
 
         space = arithmetic_space(d.max_operand, d.max_multiplier, list(d.operations))
         if space is not None and d.num_examples + d.eval_size > space:
@@ -405,6 +415,16 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
                 f"data.num_examples + data.eval_size = {d.num_examples + d.eval_size} exceeds the {space} "
                 f"distinct problems that data.max_operand={d.max_operand}, data.max_multiplier="
                 f"{d.max_multiplier} and data.operations allow; raise max_operand or ask for fewer examples."
+            )
+        wide = d.wide_eval_max_operand
+        if wide > d.max_operand and d.eval_size > wide_space(
+            d.max_operand, wide, d.max_multiplier, list(d.operations)
+        ):
+            problems.append(
+                f"data.eval_size={d.eval_size} exceeds the "
+                f"{wide_space(d.max_operand, wide, d.max_multiplier, list(d.operations))} distinct problems "
+                f"with an operand in {d.max_operand + 1}..{wide} (data.wide_eval_max_operand); raise "
+                "data.wide_eval_max_operand or lower data.eval_size."
             )
     if not str(cfg.model.name_or_path).strip():
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
@@ -538,7 +558,7 @@ _DATASET_KEYS = {
     "prompt_column": "it names a dataset's prompt column, so choose data=jsonl data.path=FILE "
     "data.prompt_column={raw}",
 }
-_GENERATOR_KEYS = ("num_examples", "max_operand", "max_multiplier", "operations")
+_GENERATOR_KEYS = ("num_examples", "max_operand", "max_multiplier", "operations", "wide_eval_max_operand")
 
 
 def unused_settings(cfg: Any) -> list[str]:

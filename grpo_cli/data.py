@@ -47,6 +47,14 @@ def arithmetic_space(max_operand: int, max_multiplier: int, operations: list[str
     )
 
 
+def wide_space(max_operand: int, wide_max_operand: int, max_multiplier: int, operations: list[str]) -> int:
+    """How many distinct problems arithmetic_wide_rows can make."""
+    ops = set(operations) & set(OP_WORDS)
+    outside = max(0, wide_max_operand - max_operand)
+    pair = (wide_max_operand + 1) ** 2 - (max_operand + 1) ** 2 if outside else 0
+    return sum(outside * (max_multiplier + 1) if op == "*" else pair for op in ops)
+
+
 def arithmetic_rows(
     num_examples: int,
     eval_size: int,
@@ -79,11 +87,59 @@ def arithmetic_rows(
         if (a, op, b) in seen:
             continue
         seen.add((a, op, b))
-        answer = a + b if op == "+" else a - b if op == "-" else a * b
-        rows.append(
-            {"prompt": f"What is {a} {OP_WORDS[op]} {b}? Answer with only the number.", "answer": str(answer)}
-        )
+        rows.append(_arithmetic_row(a, op, b))
     return rows[eval_size:], rows[:eval_size]
+
+
+def _arithmetic_row(a: int, op: str, b: int) -> dict:
+    answer = a + b if op == "+" else a - b if op == "-" else a * b
+    # `operation` lets the evaluation report accuracy per operation (data.eval_group_by).
+    return {
+        "prompt": f"What is {a} {OP_WORDS[op]} {b}? Answer with only the number.",
+        "answer": str(answer),
+        "operation": OP_WORDS[op],
+    }
+
+
+def arithmetic_wide_rows(
+    size: int,
+    *,
+    max_operand: int,
+    wide_max_operand: int,
+    max_multiplier: int,
+    operations: list[str],
+    seed: int,
+) -> list[dict]:
+    """A second held-out set: `size` problems with an operand above the training range (up to
+    wide_max_operand), so none can appear in training. plus/minus: both operands up to
+    wide_max_operand, at least one above max_operand; times: the first operand above max_operand,
+    the multiplier in its training range. Shows whether the model learned arithmetic or the
+    training range's answers."""
+    if wide_max_operand <= max_operand or size <= 0:
+        return []
+    space = wide_space(max_operand, wide_max_operand, max_multiplier, list(operations))
+    if size > space:
+        raise UserError(
+            f"data.eval_size={size} exceeds the {space} distinct problems with an operand in "
+            f"{max_operand + 1}..{wide_max_operand}; raise data.wide_eval_max_operand or lower data.eval_size."
+        )
+    rng = random.Random(seed * 7919 + 1)  # its own stream: the training draw is unchanged
+    seen: set[tuple] = set()
+    rows = []
+    ops = list(operations)
+    while len(rows) < size:
+        op = rng.choice(ops)
+        if op == "*":
+            a, b = rng.randint(max_operand + 1, wide_max_operand), rng.randint(0, max_multiplier)
+        else:
+            a, b = rng.randint(0, wide_max_operand), rng.randint(0, wide_max_operand)
+            if max(a, b) <= max_operand:
+                continue
+        if (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
+        rows.append(_arithmetic_row(a, op, b))
+    return rows
 
 
 def _load_table(path: str, subset: str | None, split: str, source: str) -> list[dict]:
@@ -252,6 +308,12 @@ def _to_examples(
         columns = {k: v for k, v in row.items() if k != prompt_column}
         examples.append(Example(prompt=row[prompt_column], prompt_ids=ids, columns=columns))
     return examples, dropped, truncated
+
+
+def to_examples(rows: list[dict], tokenizer, *, where: str, **formatting) -> list[Example]:
+    """Rows formatted and tokenized as the held-out split is (a second held-out set)."""
+    examples, _, _ = _to_examples(rows, tokenizer, where=where, **formatting)
+    return examples
 
 
 def read_rows(

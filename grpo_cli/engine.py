@@ -28,7 +28,7 @@ from grpo_cli.build import Parts, sampler_kwargs
 from grpo_cli.config import Config
 from grpo_cli.distributed import full_weights, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
-from grpo_cli.evaluate import decode_completions, evaluate, score_examples
+from grpo_cli.evaluate import decode_completions, evaluate, group_values, score_examples
 from grpo_cli.health import HealthMonitor
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
@@ -151,20 +151,33 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             )
         return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
 
+    group_by = cfg.data.eval_group_by
+    eval_sets = [("eval", parts.eval_examples), ("eval_wide", parts.wide_eval_examples)]
+
     def run_eval() -> dict[str, float]:
-        # Each rank evaluates its shard; the sums are all-reduced (d.sum).
-        mine = [parts.eval_examples[i] for i in shard(len(parts.eval_examples), d.rank, d.world_size)]
-        with autocast(device, precision), full_weights(policy):
-            return evaluate(
-                policy,
-                parts.tokenizer,
-                mine,
-                parts.rewards,
-                reduce=d.sum,
-                eos_ids=parts.eos_ids,
-                pad_id=parts.tokenizer.pad_token_id,
-                **sampler_kwargs(s, num_generations=1, greedy=True, fast_decode=parts.fast_paths),
-            )
+        # The held-out set, and the wide one (operands outside training's) when there is one,
+        # with accuracy per value of data.eval_group_by (operation). Each rank evaluates its
+        # shard; the sums are all-reduced (d.sum).
+        out: dict[str, float] = {}
+        for prefix, examples in eval_sets:
+            if not examples:
+                continue
+            mine = [examples[i] for i in shard(len(examples), d.rank, d.world_size)]
+            with autocast(device, precision), full_weights(policy):
+                out |= evaluate(
+                    policy,
+                    parts.tokenizer,
+                    mine,
+                    parts.rewards,
+                    reduce=d.sum,
+                    prefix=prefix,
+                    group_by=group_by,
+                    groups=group_values(examples, group_by),
+                    eos_ids=parts.eos_ids,
+                    pad_id=parts.tokenizer.pad_token_id,
+                    **sampler_kwargs(s, num_generations=1, greedy=True, fast_decode=parts.fast_paths),
+                )
+        return out
 
     if on_start is not None:
         on_start()
@@ -372,12 +385,19 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         if health.seen:
             log.warn(health.summary())
         log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
-        for key in ("eval/accuracy", "eval/reward"):
+        for key in ("eval/accuracy", "eval/reward", "eval_wide/accuracy"):
             if key in before and key in last_row:
+                which = "wide held-out" if key.startswith("eval_wide") else "held-out"
+                n = len(parts.wide_eval_examples if key.startswith("eval_wide") else parts.eval_examples)
+                by_group = [
+                    f"{k.split('/')[-1]} {before[k]:.2f} -> {last_row[k]:.2f}"
+                    for k in sorted(last_row)
+                    if k.startswith(key + "/") and k in before
+                ]
                 log.print(
-                    f"held-out {key.split('/')[1]} ({len(parts.eval_examples)} prompts, greedy): "
+                    f"{which} {key.split('/')[1]} ({n} prompts, greedy): "
                     f"before {before[key]:.3f} -> after {last_row[key]:.3f} "
-                    f"({last_row[key] - before[key]:+.3f})"
+                    f"({last_row[key] - before[key]:+.3f})" + (f"; {', '.join(by_group)}" if by_group else "")
                 )
     return last_row
 

@@ -73,11 +73,16 @@ def evaluate(
     pad_id: int,
     batch_size: int = 32,
     reduce=None,
+    prefix: str = "eval",
+    group_by: str | None = None,
+    groups: list[str] = (),
     **sampling,
 ) -> dict[str, float]:
     """`eval/reward` (weighted total) and `eval/accuracy` (mean of the accuracy reward, when one
     is configured) over the examples, one completion each (`sampling`: rollout.sample's
     settings, build.sampler_kwargs(cfg.sampler, num_generations=1, greedy=True) for greedy).
+    With `group_by` (a column) also `eval/accuracy/<value>` for each value in `groups` (the
+    same list on every process). `prefix` names the set (eval, eval_wide).
     reduce: sums a list of floats over the processes that evaluate a shard each
     (distributed.Dist.sum): the means are then over every shard."""
     if sampling.get("num_generations", 1) != 1:
@@ -85,6 +90,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     totals, accuracy = [], []
+    by_group = {g: [0.0, 0] for g in groups}  # value -> [accuracy sum, count]
     try:
         for start in range(0, len(examples), batch_size):  # (none: a process with an empty shard)
             chunk = examples[start : start + batch_size]
@@ -99,11 +105,33 @@ def evaluate(
             totals += total
             if "accuracy" in per_reward:
                 accuracy += [v for v in per_reward["accuracy"] if v is not None]
+                for ex, v in zip(chunk, per_reward["accuracy"]):
+                    group = str(ex.columns.get(group_by)) if group_by else None
+                    if v is not None and group in by_group:
+                        by_group[group][0] += v
+                        by_group[group][1] += 1
     finally:
         model.train(was_training)
     sums = [sum(totals), len(totals), sum(accuracy), len(accuracy)]
-    reward_sum, reward_n, accuracy_sum, accuracy_n = reduce(sums) if reduce else sums
-    out = {"eval/reward": reward_sum / max(reward_n, 1)}
+    sums += [x for g in groups for x in by_group[g]]
+    sums = reduce(sums) if reduce else sums
+    reward_sum, reward_n, accuracy_sum, accuracy_n = sums[:4]
+    out = {f"{prefix}/reward": reward_sum / max(reward_n, 1)}
     if accuracy_n:
-        out["eval/accuracy"] = accuracy_sum / accuracy_n
+        out[f"{prefix}/accuracy"] = accuracy_sum / accuracy_n
+    for i, g in enumerate(groups):
+        total, n = sums[4 + 2 * i : 6 + 2 * i]
+        if n:
+            out[f"{prefix}/accuracy/{g}"] = total / n
     return out
+
+
+def group_values(examples: list[Example], column: str | None) -> list[str]:
+    """The sorted values of a column over the examples (for evaluate's group_by), [] when absent."""
+    if not column:
+        return []
+    values = sorted({str(ex.columns[column]) for ex in examples if column in ex.columns})
+    return values if len(values) <= MAX_GROUPS else []  # a per-row id is no breakdown
+
+
+MAX_GROUPS = 20

@@ -40,6 +40,7 @@ TABLE_COLUMNS = (
     "clip_ratio/region_mean",
     "step_time",
     "eval/accuracy",
+    "eval_wide/accuracy",
 )
 SHORT = {
     "reward_std": "r_std",
@@ -49,6 +50,7 @@ SHORT = {
     "clip_ratio/region_mean": "clip",
     "step_time": "s/step",
     "eval/accuracy": "eval_acc",
+    "eval_wide/accuracy": "wide_acc",
 }
 
 

@@ -24,14 +24,20 @@ SWEEP_PLOT = "summary.png"
 # Panels: title and the metrics drawn in it. "clip_ratio/*" stands for every clip ratio logged.
 RUN_PANELS = (
     ("reward", ("reward",)),
-    ("held-out accuracy (greedy)", ("eval/accuracy",)),
+    ("held-out accuracy (greedy)", ("eval/accuracy", "eval_wide/accuracy")),
+    ("held-out accuracy by group", ("eval/accuracy/*",)),
     ("kl", ("kl",)),
     ("completion length (tokens)", ("completions/mean_length",)),
     ("clip ratio", ("clip_ratio/*",)),
     ("fraction of zero-std groups", ("frac_reward_zero_std",)),
 )
-SWEEP_PANELS = tuple(
-    (title, ("clip_ratio/region_mean",) if keys == ("clip_ratio/*",) else keys) for title, keys in RUN_PANELS
+# A sweep overlays one line per run and panel: the main one of each panel.
+SWEEP_PANELS = (
+    ("reward", ("reward",)),
+    ("held-out accuracy (greedy)", ("eval/accuracy",)),
+    ("wide held-out accuracy (greedy)", ("eval_wide/accuracy",)),
+    *[(t, keys) for t, keys in RUN_PANELS[3:] if keys != ("clip_ratio/*",)],
+    ("clip ratio", ("clip_ratio/region_mean",)),
 )
 DPI = 72
 
@@ -100,7 +106,7 @@ def run_figure(rows: list[dict[str, Any]], title: str):
     fig, axes = _figure(len(panels))
     for ax, (panel_title, keys) in zip(axes, panels):
         for key in keys:
-            label = key.split("/")[-1] if key.startswith("clip_ratio/") else key
+            label = key.split("/")[-1] if key.startswith(("clip_ratio/", "eval/accuracy/")) else key
             _line(ax, *series(rows, key), label=label)
         if keys == ["reward"] and len(reward_parts) > 1:
             for key in reward_parts:

@@ -36,6 +36,7 @@ SWEEP_FILE = "multirun.yaml"  # Hydra's record of a sweep, written in the sweep 
 HEADLINE: tuple[tuple[str, str, str, Callable[[list[float]], float]], ...] = (
     ("reward", "reward", "best", max),
     ("eval/accuracy", "eval_accuracy", "best", max),
+    ("eval_wide/accuracy", "eval_wide_accuracy", "best", max),
     ("kl", "kl", "max", max),
     ("completions/mean_length", "length", "max", max),
 )
@@ -310,6 +311,7 @@ def table(summary: Summary, title: str) -> Table:
     for header in (
         "reward\nfinal/best",
         "eval acc\nfinal/best",
+        "wide acc\nfinal/best",
         "kl\nfinal/max",
         "length\nfinal/max",
         "steps",

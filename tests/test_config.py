@@ -93,6 +93,11 @@ VALIDATION_CASES = [
     (["reward.accuracy.weight=heavy"], "reward.accuracy.weight", "'heavy'"),
     (["reward.accuracy.extract=bogus"], "bogus", "last_number"),
     (["+reward.mine.fn=no_such_module:fn"], "no_such_module", "PYTHONPATH"),
+    (
+        ["data.operations=[*]", "data.num_examples=10", "data.wide_eval_max_operand=22"],
+        "data.eval_size=200 exceeds the 22 distinct problems",
+        "raise data.wide_eval_max_operand",
+    ),
 ]
 
 
@@ -232,6 +237,11 @@ UNUSED_CASES = [
         "adapter=lora",
     ),
     (["adapter.init=gaussian"], "adapter.init='gaussian' is ignored", "adapter=lora adapter.init=gaussian"),
+    (
+        JSONL + ["data.wide_eval_max_operand=30"],
+        "data.wide_eval_max_operand=30 is ignored by data.source=file",
+        "data=arithmetic",
+    ),
 ]
 
 
@@ -254,6 +264,7 @@ USED_CASES = [
     ],
     ["data=gsm8k", "data.eval_split=null", "data.eval_size=50"],
     ["data.num_examples=100", "data.max_operand=50", "data.max_multiplier=3", "data.operations=[+,*]"],
+    ["data.max_operand=30", "data.wide_eval_max_operand=99"],
     ["loss.sampler_correction=tis", "loss.tis_cap=1.5"],
     ["trainer.dynamic_sampling=true", "trainer.max_sampling_tries=8"],
     [

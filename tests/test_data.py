@@ -8,7 +8,14 @@ import pytest
 
 from grpo_cli.build import build_data, read_data
 from grpo_cli.config import to_typed
-from grpo_cli.data import PromptStream, arithmetic_rows, build_prompts, read_rows
+from grpo_cli.data import (
+    PromptStream,
+    arithmetic_rows,
+    arithmetic_wide_rows,
+    build_prompts,
+    read_rows,
+    wide_space,
+)
 from grpo_cli.errors import UserError
 from grpo_cli.models import load_tokenizer, resolve_source
 
@@ -61,6 +68,48 @@ def test_arithmetic_is_seeded_unique_and_eval_never_in_train():
     a, word, b = row["prompt"].split("?")[0].split()[2:5]
     expected = {"plus": int(a) + int(b), "minus": int(a) - int(b), "times": int(a) * int(b)}[word]
     assert row["answer"] == str(expected)
+
+
+def _operands(row):
+    a, word, b = row["prompt"].split("?")[0].split()[2:5]
+    return int(a), word, int(b)
+
+
+def test_every_arithmetic_row_names_its_operation():
+    train, evals = arithmetic_rows(
+        200, 50, max_operand=20, max_multiplier=10, operations=["+", "-", "*"], seed=1
+    )
+    for row in train + evals:
+        assert row["operation"] == _operands(row)[1]
+    assert {r["operation"] for r in evals} == {"plus", "minus", "times"}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_wide_held_out_set_lies_outside_the_training_range(seed):
+    kw = dict(max_operand=20, max_multiplier=10, operations=["+", "-", "*"], seed=seed)
+    train, evals = arithmetic_rows(800, 200, **kw)
+    wide = arithmetic_wide_rows(200, wide_max_operand=50, **kw)
+    assert wide == arithmetic_wide_rows(200, wide_max_operand=50, **kw)  # seeded
+    assert len(wide) == len({r["prompt"] for r in wide}) == 200
+    assert not {r["prompt"] for r in wide} & {r["prompt"] for r in train + evals}
+    for row in wide:
+        a, word, b = _operands(row)
+        assert max(a, b) > 20 and a <= 50 and b <= 50, row
+        if word == "times":
+            assert 20 < a and b <= 10, row
+        assert row["answer"] == str({"plus": a + b, "minus": a - b, "times": a * b}[word])
+    assert {r["operation"] for r in wide} == {"plus", "minus", "times"}
+    # Its own random stream: the training draw is the one it was without the wide set.
+    assert arithmetic_rows(800, 200, **kw) == (train, evals)
+
+
+def test_wide_held_out_set_sizes():
+    kw = dict(max_operand=20, max_multiplier=10, operations=["*"], seed=0)
+    assert wide_space(20, 50, 10, ["*"]) == 30 * 11
+    assert len(arithmetic_wide_rows(330, wide_max_operand=50, **kw)) == 330  # every one of them
+    with pytest.raises(UserError, match="wide_eval_max_operand"):
+        arithmetic_wide_rows(331, wide_max_operand=50, **kw)
+    assert arithmetic_wide_rows(10, wide_max_operand=20, **kw) == []  # 0 or not above: none
 
 
 def test_arithmetic_rejects_impossible_requests():

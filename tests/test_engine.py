@@ -204,3 +204,67 @@ def test_nonfinite_params_finds_exactly_the_bad_tensors(value, bad):
         model[1].weight.fill_(3e38)  # sum overflows, values finite
         model[0].weight[1, 2] = value
     assert _nonfinite_params(model) == (["0.weight"] if bad else [])
+
+
+def _plus_only(completions, operation, **kwargs):
+    return [1.0 if op == "plus" else 0.0 for op in operation]
+
+
+def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
+    """Held-out accuracy per value of data.eval_group_by, summed across a split into shards the way
+    several processes would, and the wide set (operands outside training's) under eval_wide/."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.build import build_data, build_wide_eval, read_data, read_wide_eval, sampler_kwargs
+    from grpo_cli.config import to_typed
+    from grpo_cli.evaluate import evaluate, group_values
+    from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
+    from grpo_cli.rewards import RewardSpec
+
+    cfg = to_typed(compose(TINY[:2] + ["data.eval_size=24"]))
+    tok = load_tokenizer(resolve_source("builtin:tiny"))
+    held_out = build_data(cfg, read_data(cfg), tok).eval
+    wide = build_wide_eval(cfg, read_wide_eval(cfg), tok)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny())
+    rewards = [RewardSpec("accuracy", _plus_only, 1.0)]
+    kw = dict(eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, group_by="operation")
+    kw |= sampler_kwargs(cfg.sampler, num_generations=1, greedy=True, max_new_tokens=2)
+    groups = group_values(held_out, "operation")
+    assert groups == ["minus", "plus", "times"]
+
+    whole = evaluate(model, tok, held_out, rewards, groups=groups, **kw)
+    share = sum(ex.columns["operation"] == "plus" for ex in held_out) / len(held_out)
+    assert whole["eval/accuracy"] == pytest.approx(share) and 0 < share < 1
+    assert (whole["eval/accuracy/plus"], whole["eval/accuracy/minus"], whole["eval/accuracy/times"]) == (
+        1,
+        0,
+        0,
+    )
+
+    # Two shards, their sums added as Dist.sum adds them over processes: the same numbers.
+    halves = [held_out[: len(held_out) // 3], held_out[len(held_out) // 3 :]]
+    sums = []
+
+    def collect(values):
+        sums.append(values)
+        return values
+
+    for half in halves:
+        evaluate(model, tok, half, rewards, groups=groups, reduce=collect, **kw)
+    total = [a + b for a, b in zip(*sums)]
+    assert evaluate(model, tok, held_out, rewards, groups=groups, reduce=lambda _: total, **kw) == whole
+
+    out = evaluate(
+        model, tok, wide, rewards, prefix="eval_wide", groups=group_values(wide, "operation"), **kw
+    )
+    assert set(out) == {
+        "eval_wide/reward", "eval_wide/accuracy", "eval_wide/accuracy/minus", "eval_wide/accuracy/plus",
+        "eval_wide/accuracy/times",
+    }  # fmt: skip
+    assert len(wide) == 24
+    # No breakdown for a column the rows lack, or one with a value per row.
+    from grpo_cli.data import Example
+
+    rows = [Example(prompt="p", prompt_ids=[1], columns={"id": i % n}) for n in (3, 30) for i in range(30)]
+    assert group_values(held_out, "level") == [] and group_values(rows[30:], "id") == []
+    assert group_values(rows[:30], "id") == ["0", "1", "2"]

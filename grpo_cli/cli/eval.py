@@ -33,12 +33,14 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     from grpo_cli.build import (
         build_data,
         build_tokenizer,
+        build_wide_eval,
         eos_token_ids,
         load_policy,
         read_data,
+        read_wide_eval,
         sampler_kwargs,
     )
-    from grpo_cli.evaluate import score_examples
+    from grpo_cli.evaluate import group_values, score_examples
     from grpo_cli.models import tested_architecture
     from grpo_cli.precision import autocast, resolve_device, resolve_precision
     from grpo_cli.rewards import build_rewards, passes
@@ -54,6 +56,8 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     log(f"grpo-eval device={device} precision={precision.name} model: {source.description}")
     data = build_data(cfg, rows, tokenizer)
     examples = data.eval[:num_prompts] if num_prompts else data.eval
+    wide = build_wide_eval(cfg, read_wide_eval(cfg), tokenizer)
+    wide = wide[:num_prompts] if num_prompts else wide
     if not examples:
         raise UserError("the held-out split is empty; set data.eval_size > 0 (or data.eval_split).")
     model = load_policy(cfg, source, device, precision, trainable=False)
@@ -62,7 +66,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     pass_rule = "accuracy" if "accuracy" in [r.name for r in rewards] else "reward>0"
     torch.manual_seed(t.seed)
 
-    def run(group: int, greedy: bool):
+    def run(group: int, greedy: bool, examples=examples):
         per_prompt_pass, lengths, totals, batch = [], [], [], max(1, 64 // group)
         for start in range(0, len(examples), batch):
             chunk = examples[start : start + batch]
@@ -93,6 +97,19 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         "greedy_reward": sum(greedy_reward) / len(greedy_reward),
         "greedy_mean_length": sum(greedy_len) / len(greedy_len),
     }
+    by = cfg.data.eval_group_by
+
+    def per_group(name: str, passes: list, examples: list) -> None:  # e.g. greedy_accuracy/minus
+        for value in group_values(examples, by):
+            hits = [p for (p, _), ex in zip(passes, examples) if str(ex.columns.get(by)) == value]
+            result[f"{name}/{value}"] = sum(hits) / len(hits)
+
+    per_group("greedy_accuracy", greedy_pass, examples)
+    if wide:  # the second held-out set: operands outside the training range
+        wide_pass, _, _ = run(1, True, wide)
+        result["wide_num_prompts"] = len(wide)
+        result["wide_greedy_accuracy"] = sum(p for p, _ in wide_pass) / len(wide)
+        per_group("wide_greedy_accuracy", wide_pass, wide)
     if samples >= 1:
         G = samples
         sampled, lengths, totals = run(G, False)
