@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""How well does a training recipe learn? Held-out accuracy over steps, per configuration and seed.
+
+    bash scripts/run.sh python scripts/bench_recipe.py --out sweep/ \
+        --config default= --config cosine="optimizer.lr_scheduler=cosine" --seeds 0 1 2
+    bash scripts/run.sh python scripts/bench_recipe.py --out sweep/ --report-only
+
+Each (configuration, seed) is one `grpo-train` run in OUT/<name>-s<seed>/ with the configuration's
+overrides plus trainer.seed=<seed>, trainer.eval_steps (default 8: held-out greedy accuracy every
+8 steps, on both held-out sets) and trainer.max_steps (default 64). A run whose metrics.jsonl
+already reaches its last step is not run again, so the command can be repeated to add seeds or
+configurations. --jobs N runs N at once, each on cpu_count/N threads (accuracy does not depend on
+the thread count's timing; the curves are what is measured here, not speed).
+
+The report (printed, and written as OUT/recipe.json and OUT/recipe.png): per configuration, the
+held-out accuracy (mean and range over seeds) at the evaluation whose cumulative sampled
+completions (num_groups_sampled x G, so dynamic sampling's discarded groups count) first reach
+each budget in --budgets (default 256, 512, 1024, 2048: steps 8/16/32/64 of the default 4 x 8);
+the wide held-out set (operands outside the training range) and per-operation accuracy at the
+last budget; and a plot of mean accuracy against sampled completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OPERATIONS = ("plus", "minus", "times")
+
+
+def parse_config(text: str) -> tuple[str, list[str]]:
+    name, _, overrides = text.partition("=")
+    if not name or "/" in name:
+        raise SystemExit(
+            f"--config {text!r}: give NAME=OVERRIDES (space-separated), e.g. cosine='optimizer.lr_scheduler=cosine'"
+        )
+    return name, overrides.split()
+
+
+def read_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def finished(run: Path, steps: int) -> bool:
+    rows = read_rows(run)
+    return bool(rows) and rows[-1].get("step") == steps and (run / "checkpoints").exists()
+
+
+def train(run: Path, overrides: list[str], seed: int, args, threads: int) -> float:
+    cmd = [
+        sys.executable, "-m", "grpo_cli.cli.train",
+        *overrides,
+        f"trainer.seed={seed}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.eval_steps={args.eval_steps}",
+        f"trainer.save_steps={args.steps}",
+        "trainer.keep_last=1",
+        f"hydra.run.dir={run}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    log_path = run.parent / f"{run.name}.log"
+    with open(log_path, "w") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if code != 0:
+        print(f"{run.name}: grpo-train exited {code}; see {log_path}", file=sys.stderr)
+    return time.perf_counter() - t0
+
+
+def budget_rows(rows: list[dict], group_size: int, budgets: list[int]) -> dict[int, dict]:
+    """For each budget, the last evaluated row whose cumulative sampled completions stay within it."""
+    out, used = {}, 0
+    evaluated = [(0, rows[0])] if rows and "eval/accuracy" in rows[0] else []
+    for row in rows[1:]:
+        used += row.get("num_groups_sampled", 0) * group_size
+        if "eval/accuracy" in row:
+            evaluated.append((used, row))
+    for budget in budgets:
+        within = [(u, r) for u, r in evaluated if u <= budget]
+        if within and within[-1][0] >= budget * 0.75:  # near the budget, not far short of it
+            out[budget] = {"completions": within[-1][0], **within[-1][1]}
+    return out
+
+
+def group_size(run: Path) -> int:
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    return int(cfg["sampler"]["num_generations"])
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    return f"{mean:.3f} ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else f"{mean:.3f}"
+
+
+def report(configs: list[tuple[str, list[str]]], seeds: list[int], args) -> dict:
+    result = {"budgets": args.budgets, "configs": []}
+    for name, overrides in configs:
+        per_seed = {}
+        for seed in seeds:
+            run = args.out / f"{name}-s{seed}"
+            rows = read_rows(run)
+            if rows and (run / "config.yaml").exists():
+                per_seed[seed] = {"rows": rows, "at": budget_rows(rows, group_size(run), args.budgets)}
+        if not per_seed:
+            continue
+        entry = {"name": name, "overrides": overrides, "seeds": sorted(per_seed), "at_budget": {}}
+        for budget in args.budgets:
+            got = [s["at"][budget] for s in per_seed.values() if budget in s["at"]]
+            entry["at_budget"][budget] = {
+                "steps": [r["step"] for r in got],
+                "accuracy": [r["eval/accuracy"] for r in got],
+                "wide_accuracy": [r["eval_wide/accuracy"] for r in got if "eval_wide/accuracy" in r],
+                **{
+                    op: [r[f"eval/accuracy/{op}"] for r in got if f"eval/accuracy/{op}" in r]
+                    for op in OPERATIONS
+                },
+            }
+        entry["before"] = [s["rows"][0].get("eval/accuracy") for s in per_seed.values()]
+        entry["curves"] = {
+            seed: [(0, s["rows"][0].get("eval/accuracy"))]
+            + [
+                (u, r["eval/accuracy"])
+                for u, r in _evaluated(s["rows"], group_size(args.out / f"{name}-s{seed}"))
+            ]
+            for seed, s in per_seed.items()
+        }
+        result["configs"].append(entry)
+    return result
+
+
+def _evaluated(rows, g):
+    used = 0
+    for row in rows[1:]:
+        used += row.get("num_groups_sampled", 0) * g
+        if "eval/accuracy" in row:
+            yield used, row
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    last = result["budgets"][-1]
+    table = Table(
+        title="held-out greedy accuracy: mean (range) over seeds, at sampled completions", header_style="bold"
+    )
+    table.add_column("configuration")
+    table.add_column("seeds", justify="right")
+    for budget in result["budgets"]:
+        table.add_column(str(budget), justify="right")
+    table.add_column(f"wide @{last}", justify="right")
+    for op in OPERATIONS:
+        table.add_column(f"{op} @{last}", justify="right")
+    for entry in result["configs"]:
+        at = entry["at_budget"]
+        table.add_row(
+            entry["name"],
+            str(len(entry["seeds"])),
+            *[spread(at[b]["accuracy"]) for b in result["budgets"]],
+            spread(at[last]["wide_accuracy"]),
+            *[spread(at[last][op]) for op in OPERATIONS],
+        )
+    Console(width=200).print(table)
+
+
+def plot(result: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=90)
+    ax = fig.subplots()
+    for i, entry in enumerate(result["configs"]):
+        curves = list(entry["curves"].values())
+        points = sorted({u for curve in curves for u, _ in curve})
+        xs, mean, low, high = [], [], [], []
+        for u in points:
+            vals = [a for curve in curves for v, a in curve if v == u and a is not None]
+            if len(vals) == len(curves):
+                xs.append(u)
+                mean.append(statistics.fmean(vals))
+                low.append(min(vals))
+                high.append(max(vals))
+        ax.plot(
+            xs, mean, marker="o", markersize=3, color=f"C{i}", label=f"{entry['name']} ({len(curves)} seeds)"
+        )
+        if len(curves) > 1:
+            ax.fill_between(xs, low, high, color=f"C{i}", alpha=0.12)
+    ax.axhline(0.65, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("sampled completions")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("held-out accuracy (mean over seeds, band: range)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder of the runs and the report")
+    p.add_argument(
+        "--config", action="append", default=[], help="NAME=OVERRIDES (space-separated); repeatable"
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--eval-steps", type=int, default=8)
+    p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--report-only", action="store_true", help="only read the runs in OUT")
+    args = p.parse_args(argv)
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    configs = [parse_config(c) for c in args.config]
+    if args.report_only and not configs:  # every run folder in OUT, by name
+        names = sorted(
+            {d.name.rsplit("-s", 1)[0] for d in args.out.iterdir() if d.is_dir() and "-s" in d.name}
+        )
+        configs = [(n, []) for n in names]
+    if not args.report_only:
+        todo = [
+            (args.out / f"{name}-s{seed}", overrides, seed)
+            for seed in args.seeds
+            for name, overrides in configs
+            if not finished(args.out / f"{name}-s{seed}", args.steps)
+        ]
+        threads = max(1, (os.cpu_count() or 1) // args.jobs)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for (run, _, _), seconds in zip(todo, pool.map(lambda job: train(*job, args, threads), todo)):
+                print(f"{run.name}: {seconds / 60:.1f} min", flush=True)
+    result = report(configs, args.seeds, args)
+    print_table(result)
+    (args.out / "recipe.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out / "recipe.png")
+    print(f"wrote {args.out / 'recipe.json'} and {args.out / 'recipe.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
