@@ -40,6 +40,13 @@ HEADLINE: tuple[tuple[str, str, str, Callable[[list[float]], float]], ...] = (
     ("kl", "kl", "max", max),
     ("completions/mean_length", "length", "max", max),
 )
+HEADERS = (
+    "reward\nfinal/best",
+    "eval acc\nfinal/best",
+    "wide acc\nfinal/best",
+    "kl\nfinal/max",
+    "length\nfinal/max",
+)
 COLUMNS = (
     "job",
     "label",
@@ -308,15 +315,13 @@ def table(summary: Summary, title: str) -> Table:
     )
     t.add_column("#", justify="right", no_wrap=True)
     t.add_column("overrides", overflow="fold", min_width=12)
-    for header in (
-        "reward\nfinal/best",
-        "eval acc\nfinal/best",
-        "wide acc\nfinal/best",
-        "kl\nfinal/max",
-        "length\nfinal/max",
-        "steps",
-        "wall",
-    ):
+    # A headline column no run has (the wide held-out set's accuracy off) is left out.
+    shown = [
+        (prefix, second, header)
+        for (_, prefix, second, _), header in zip(HEADLINE, HEADERS)
+        if any(_pair(row, prefix, second) != "-" for row in summary.rows) or prefix != "eval_wide_accuracy"
+    ]
+    for header in [h for _, _, h in shown] + ["steps", "wall"]:
         t.add_column(header, justify="right", overflow="fold")
     t.add_column("status", overflow="fold")
     for i, row in enumerate(summary.rows):
@@ -324,7 +329,7 @@ def table(summary: Summary, title: str) -> Table:
         t.add_row(
             f"{row['job']}{mark}",
             escape(row["label"]),
-            *[_pair(row, prefix, second) for _, prefix, second, _ in HEADLINE],
+            *[_pair(row, prefix, second) for prefix, second, _ in shown],
             str(row["steps"]),
             _duration(row["wall_time_s"]),
             _status(row),
