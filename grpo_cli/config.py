@@ -420,12 +420,10 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
                 f"{d.max_multiplier} and data.operations allow; raise max_operand or ask for fewer examples."
             )
         wide = d.wide_eval_max_operand
-        if wide > d.max_operand and d.eval_size > wide_space(
-            d.max_operand, wide, d.max_multiplier, list(d.operations)
-        ):
+        wide_problems = wide_space(d.max_operand, wide, d.max_multiplier, list(d.operations))
+        if wide > d.max_operand and d.eval_size > wide_problems:
             problems.append(
-                f"data.eval_size={d.eval_size} exceeds the "
-                f"{wide_space(d.max_operand, wide, d.max_multiplier, list(d.operations))} distinct problems "
+                f"data.eval_size={d.eval_size} exceeds the {wide_problems} distinct problems "
                 f"with an operand in {d.max_operand + 1}..{wide} (data.wide_eval_max_operand); raise "
                 "data.wide_eval_max_operand or lower data.eval_size."
             )

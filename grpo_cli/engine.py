@@ -152,16 +152,18 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
 
     group_by = cfg.data.eval_group_by
-    eval_sets = [("eval", parts.eval_examples), ("eval_wide", parts.wide_eval_examples)]
+    eval_sets = [  # (metric prefix, examples, their values of data.eval_group_by), found once
+        (prefix, examples, group_values(examples, group_by))
+        for prefix, examples in (("eval", parts.eval_examples), ("eval_wide", parts.wide_eval_examples))
+        if examples
+    ]
 
     def run_eval() -> dict[str, float]:
         # The held-out set, and the wide one (operands outside training's) when there is one,
         # with accuracy per value of data.eval_group_by (operation). Each rank evaluates its
         # shard; the sums are all-reduced (d.sum).
         out: dict[str, float] = {}
-        for prefix, examples in eval_sets:
-            if not examples:
-                continue
+        for prefix, examples, groups in eval_sets:
             mine = [examples[i] for i in shard(len(examples), d.rank, d.world_size)]
             with autocast(device, precision), full_weights(policy):
                 out |= evaluate(
@@ -172,7 +174,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     reduce=d.sum,
                     prefix=prefix,
                     group_by=group_by,
-                    groups=group_values(examples, group_by),
+                    groups=groups,
                     eos_ids=parts.eos_ids,
                     pad_id=parts.tokenizer.pad_token_id,
                     **sampler_kwargs(s, num_generations=1, greedy=True, fast_decode=parts.fast_paths),
