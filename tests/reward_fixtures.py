@@ -51,3 +51,11 @@ def hangs_on_rank_1(completions, **kwargs):
 def constant(completions, **kwargs):
     """The same reward for every completion: every group is zero-std."""
     return [1.0] * len(completions)
+
+
+
+def near_a(completions, **kwargs):
+    """How close a completion's characters are to "a" (0 for "aaaa", lower the farther each
+    character's code is): every completion scores differently, and one completion is best, so a
+    policy pushed hard toward it ends deterministic, its entropy near 0, whatever the trajectory."""
+    return [-sum(abs(ord(ch) - ord("a")) for ch in c) / (100 * max(len(c), 1)) for c in completions]
