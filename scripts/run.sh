@@ -21,12 +21,14 @@ stamp="$venv/.grpo-cli-installed"
 # GRPO_PINS: extra requirements installed with the project, e.g. GRPO_PINS="transformers==4.57.6"
 # (CI tests the oldest supported transformers in a second environment this way).
 pins="${GRPO_PINS:-}"
-want="$( (cat "$root/pyproject.toml"; echo "$pins") | sha256sum | cut -d' ' -f1)"
+want="$( (cat "$root/pyproject.toml"; echo "$pins ${GRPO_TORCH:-}") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing torch and grpo-cli (first run only)" >&2
   # torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build on CPU machines.
-  if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
-    "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  # GRPO_TORCH: another version of the declared range (CI's oldest leg: GRPO_TORCH=2.11.0).
+  # (An importable torch is kept, e.g. a CUDA build installed by hand, unless GRPO_TORCH names another.)
+  if ! "$venv/bin/python" -c "import sys, torch; sys.exit('${GRPO_TORCH:-}' not in ('', torch.__version__.split('+')[0]))" 2>/dev/null; then
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch==${GRPO_TORCH:-2.13.0}" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   fi
   # shellcheck disable=SC2086  # $pins is a list of requirements
   "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[dev]" $pins 2>&1 | grep -v '^WARNING: Location' >&2 || true

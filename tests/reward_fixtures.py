@@ -53,7 +53,6 @@ def constant(completions, **kwargs):
     return [1.0] * len(completions)
 
 
-
 def near_a(completions, **kwargs):
     """How close a completion's characters are to "a" (0 for "aaaa", lower the farther each
     character's code is): every completion scores differently, and one completion is best, so a
