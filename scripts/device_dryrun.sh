@@ -9,7 +9,7 @@
 #   bash scripts/device_dryrun.sh [OUT]      # OUT defaults to device-check-dryrun/
 #
 # The environment (.venv-lent/, made once, ~5 GB: PyPI's torch 2.11 is the CUDA build, which runs on
-# a CPU too) is remade when this file changes. No network inside: `unshare -n` where it is allowed
+# a CPU too) is remade when the list of the image's packages below changes. No network inside: `unshare -n` where it is allowed
 # (root), else the offline variables alone, said so.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,15 +24,21 @@ image=(
   sentencepiece setuptools wheel
 )
 
-python312="${PYTHON312:-$(command -v python3.12 || true)}"
-if [ -z "$python312" ] && command -v pyenv >/dev/null; then
-  python312="$(pyenv root)/versions/$(pyenv versions --bare | grep -E '^3\.12' | tail -1)/bin/python3.12"
+# A Python 3.12 that runs (a pyenv shim may name one that is not selected): PATH's, then pyenv's.
+python312="${PYTHON312:-}"
+if [ -z "$python312" ]; then
+  for cand in "$(command -v python3.12 2>/dev/null)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+    if [ -x "$cand" ] && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      python312="$cand"
+      break
+    fi
+  done
 fi
-[ -x "$python312" ] || {
+[ -n "$python312" ] && [ -x "$python312" ] || {
   echo "device_dryrun: needs Python 3.12 (the lent machine's; the carried wheels are cp312). Set PYTHON312=/path/to/python3.12." >&2
   exit 2
 }
-want="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+want="$(echo "$("$python312" --version) ${image[*]}" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$venv/.lent-image" ] || [ "$(cat "$venv/.lent-image")" != "$want" ]; then
   echo "[dryrun] making the lent image's environment in $venv (first run only)" >&2
   rm -rf "$venv"
