@@ -1,7 +1,8 @@
-"""Config -> plain objects: data, tokenizer, models, optimizer, rewards, and a resumed run's state.
+"""Config -> plain objects: data, tokenizer, models, the sampler, the optimizer step, rewards, and
+a resumed run's state.
 
 Used by grpo-train (build_training) and grpo-eval (read_data, build_tokenizer, build_data,
-sampler_kwargs) alike. Cheap checks come first: a bad reward, device, precision, checkpoint or
+load_policy) alike. Cheap checks come first: a bad reward, device, precision, checkpoint or
 data file fails before any model is loaded.
 """
 
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 
 from grpo_cli import checkpoint as ckpt
 from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
-from grpo_cli.config import Config, DataConfig, SamplerConfig
+from grpo_cli.config import Config, DataConfig
 from grpo_cli.data import Example, PromptStream, arithmetic_wide_rows, build_prompts, read_rows, to_examples
 from grpo_cli.distributed import Dist, shard_model, wrap_scorer
 from grpo_cli.errors import UserError, first_line
@@ -31,22 +32,10 @@ from grpo_cli.models import (
     resolve_source,
     tested_architecture,
 )
-from grpo_cli.optim import build_optimizer
+from grpo_cli.optim import OptimizerStep, build_optimizer
 from grpo_cli.precision import MasterWeights, Precision, resolve_device, resolve_precision, to_weights_dtype
-from grpo_cli.rewards import REGISTRY, RewardSpec, build_rewards
-
-
-def sampler_kwargs(s: SamplerConfig, **overrides: Any) -> dict[str, Any]:
-    """The keyword arguments of rollout.sample that the sampler group sets (the one place they
-    are spelled out), with `overrides` (e.g. num_generations=1, greedy=True for evaluation)."""
-    return {
-        "num_generations": s.num_generations,
-        "max_new_tokens": s.max_new_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        **overrides,
-    }
+from grpo_cli.rewards import RewardSpec, build_rewards
+from grpo_cli.samplers import Sampler, build_sampler
 
 
 def read_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -153,11 +142,12 @@ def seed_everything(seed: int) -> None:
 
 
 def check_reward_columns(rewards: list[RewardSpec], rows: list[dict], data_cfg: DataConfig) -> None:
-    """The accuracy reward needs a gold answer per prompt: check the column before any model loads."""
+    """The correctness reward (accuracy's, or one of yours with that role) needs a gold answer per
+    prompt: check its column before any model loads."""
     for spec in rewards:
-        if spec.fn is not REGISTRY["accuracy"]:
+        if spec.role != "correctness":
             continue
-        column = spec.options.get("answer_column", "answer")
+        column = spec.answer_column
         where = f"data.path={data_cfg.path!r}" if data_cfg.source != "arithmetic" else "the arithmetic data"
         if rows and not any(column in row for row in rows):
             raise UserError(
@@ -246,12 +236,11 @@ class Parts:
     stream: PromptStream  # training prompts
     eval_examples: list[Example]  # held-out prompts
     wide_eval_examples: list[Example]  # the second held-out set (operands outside training's), or []
-    optimizer: Any
-    scheduler: Any
+    sampler: Sampler  # what draws the completions (sampler.backend)
+    # The optimizer, its schedule, bf16's fp32 masters, fp16's grad scaler, clipping and the skips.
+    opt_step: OptimizerStep
     device: Any
     precision: Precision
-    masters: MasterWeights | None  # trainer.precision=bf16 (full model): what the optimizer steps
-    eos_ids: list[int]
     fast_paths: bool  # the model's type is in the tested matrix (models.tested_architecture)
     total_steps: int
     state: ckpt.TrainerState  # where the run starts (step 0, or the resumed checkpoint's)
@@ -418,6 +407,28 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             "(no shared-prompt KV cache, no decode-time W @ x^T layers), and the step-0 self-check checks its "
             "log-probs."
         )
+    import torch
+
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    if scaler is not None and state.grad_scaler:
+        scaler.load_state_dict(state.grad_scaler)
+    opt_step = OptimizerStep(
+        optimizer,
+        scheduler,
+        policy=policy,
+        masters=masters,
+        grad_scaler=scaler,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        dist=d,
+    )
+    sampler = build_sampler(
+        s,
+        policy,
+        eos_ids=eos_token_ids(tokenizer, policy),
+        pad_id=tokenizer.pad_token_id,
+        precision=precision,
+        fast_decode=fast_paths,
+    )
     return Parts(
         policy=policy,
         ref=ref,
@@ -426,12 +437,10 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         stream=stream,
         eval_examples=data.eval,
         wide_eval_examples=wide_eval,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        sampler=sampler,
+        opt_step=opt_step,
         device=device,
         precision=precision,
-        masters=masters,
-        eos_ids=eos_token_ids(tokenizer, policy),
         fast_paths=fast_paths,
         total_steps=total_steps,
         state=state,

@@ -27,6 +27,7 @@ same command.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,27 @@ class Dist:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def sum_tensors_(self, tensors: list) -> None:
+        """Each tensor replaced by its element-wise sum over the ranks, in place, in its own dtype
+        (fp32 gradients), a few flat buckets at a time instead of one collective per tensor."""
+        if not self.enabled or not tensors:
+            return
+        import torch
+        import torch.distributed as dist
+
+        bucket, size, limit = [], 0, 1 << 24  # elements per bucket (64 MB of fp32)
+        for i, t in enumerate(tensors):
+            bucket.append(t)
+            size += t.numel()
+            if size >= limit or i == len(tensors) - 1:
+                flat = torch.cat([b.reshape(-1) for b in bucket]).to(_comm_device())
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
+                bucket, size = [], 0
 
     def barrier(self) -> None:
         if self.enabled:
@@ -210,6 +232,9 @@ def launch(entry: list[str], args: list[str], num_processes: int, timeout_s: flo
     # The workers print their own errors (once); torchrun's agent would repeat them as a table.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(num_processes)))
+    # Ctrl-C: the workers finish their step and save; only after this long are they killed
+    # (torch >= 2.13; before it the agent waits its own 30 s).
+    grace = {"shutdown_timeout": int(timeout_s)} if "shutdown_timeout" in _field_names(LaunchConfig) else {}
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -219,8 +244,7 @@ def launch(entry: list[str], args: list[str], num_processes: int, timeout_s: flo
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.2,
-        # Ctrl-C: the workers finish their step and save; only after this long are they killed.
-        shutdown_timeout=int(timeout_s),
+        **grace,
     )
     elastic_launch(config, entrypoint=entry[0])(*entry[1:], *args)
 
@@ -237,11 +261,19 @@ def wrap_scorer(scorer, d: Dist, device):
         return scorer
     from torch.nn.parallel import DistributedDataParallel
 
+    # No buffer changes in training (rotary tables are constants), so no buffer sync per forward:
+    # forward_sync_buffers since torch 2.13, broadcast_buffers before it (2.11, the lent GPU's).
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
     return DistributedDataParallel(
-        scorer,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,  # no buffer changes in training (rotary tables are constants)
+        scorer, device_ids=[device.index] if device.type == "cuda" else None, **{no_sync: False}
     )
+
+
+def _field_names(cls) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def gradient_sync(scorer, last: bool):

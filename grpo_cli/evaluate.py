@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.data import Example
-from grpo_cli.rewards import as_reward_input, score_rewards
-from grpo_cli.rollout import sample
+from grpo_cli.rewards import as_reward_input, correctness, score_rewards
 
 # transformers 4.x's clean-up of tokenization spaces (PreTrainedTokenizerBase.clean_up_tokenization).
 _SPACE_CLEANUP = (
@@ -44,15 +43,15 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask:
     return texts
 
 
-def score_examples(rewards, tokenizer, examples: list[Example], rollout, group_size: int):
-    """Rewards of a rollout whose rows are `group_size` completions per example, in order;
+def score_examples(rewards, tokenizer, examples: list[Example], rollout, num_generations: int):
+    """Rewards of a rollout whose rows are `num_generations` completions per example, in order;
     returns (the completions' texts, weighted totals, values per reward)."""
     texts = decode_completions(tokenizer, rollout.completion_ids, rollout.completion_mask)
     columns: dict[str, list] = {}
     for ex in examples:
         for key, value in ex.columns.items():
-            columns.setdefault(key, []).extend([value] * group_size)
-    prompts = [ex.prompt for ex in examples for _ in range(group_size)]
+            columns.setdefault(key, []).extend([value] * num_generations)
+    prompts = [ex.prompt for ex in examples for _ in range(num_generations)]
     completion_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
     ]
@@ -64,54 +63,40 @@ def score_examples(rewards, tokenizer, examples: list[Example], rollout, group_s
 
 
 def evaluate(
-    model,
+    sampler,
     tokenizer,
     examples: list[Example],
     rewards,
     *,
-    eos_ids: list[int],
-    pad_id: int,
     batch_size: int = 32,
     reduce=None,
     prefix: str = "eval",
     group_by: str | None = None,
     groups: list[str] = (),
-    **sampling,
 ) -> dict[str, float]:
-    """`eval/reward` (weighted total) and `eval/accuracy` (mean of the accuracy reward, when one
-    is configured) over the examples, one completion each (`sampling`: rollout.sample's
-    settings, build.sampler_kwargs(cfg.sampler, num_generations=1, greedy=True) for greedy).
+    """`eval/reward` (weighted total) and `eval/accuracy` (mean of the correctness reward, when
+    one is configured: rewards.correctness) over the examples, one greedy completion each from `sampler` (a
+    samplers.Sampler), `batch_size` prompts at a time.
     With `group_by` (a column) also `eval/accuracy/<value>` for each value in `groups` (the
     same list on every process). `prefix` names the set (eval, eval_wide).
     reduce: sums a list of floats over the processes that evaluate a shard each
     (distributed.Dist.sum): the means are then over every shard."""
-    if sampling.get("num_generations", 1) != 1:
-        raise ValueError("evaluate scores one completion per example: num_generations must be 1")
-    was_training = model.training
-    model.eval()
+    judge = correctness(rewards)
     totals, accuracy = [], []
     by_group = {g: [0.0, 0] for g in groups}  # value -> [accuracy sum, count]
-    try:
-        for start in range(0, len(examples), batch_size):  # (none: a process with an empty shard)
+    with sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
+        for start in range(0, len(examples), batch_size):
             chunk = examples[start : start + batch_size]
-            rollout = sample(
-                model,
-                [ex.prompt_ids for ex in chunk],
-                eos_ids=eos_ids,
-                pad_id=pad_id,
-                **{"num_generations": 1, **sampling},
-            )
+            rollout = sampler.generate([ex.prompt_ids for ex in chunk], num_generations=1, greedy=True)
             _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout, 1)
             totals += total
-            if "accuracy" in per_reward:
-                accuracy += [v for v in per_reward["accuracy"] if v is not None]
-                for ex, v in zip(chunk, per_reward["accuracy"]):
+            if judge is not None:
+                accuracy += [v for v in per_reward[judge.name] if v is not None]
+                for ex, v in zip(chunk, per_reward[judge.name]):
                     group = str(ex.columns.get(group_by)) if group_by else None
                     if v is not None and group in by_group:
                         by_group[group][0] += v
                         by_group[group][1] += 1
-    finally:
-        model.train(was_training)
     sums = [sum(totals), len(totals), sum(accuracy), len(accuracy)]
     sums += [x for g in groups for x in by_group[g]]
     sums = reduce(sums) if reduce else sums

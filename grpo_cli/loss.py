@@ -1,7 +1,8 @@
 """GRPO advantages and loss: pure functions, tensors in, tensors out.
 
-Nothing here knows about models, configs or optimizers. The training engine
-computes per-token log-probs, calls :func:`group_advantages` once per rollout,
+Nothing here knows about models, Hydra or optimizers: the options come as the
+loss section of the typed config (config.LossConfig), read by attribute. The
+training step computes per-token log-probs, calls :func:`group_advantages` once per rollout,
 :func:`loss_normalizers` once per optimizer step, and :func:`grpo_loss` once per
 micro-batch. References like ``ref 002`` point at the numbered rules of
 ``docs/reference.md``.
@@ -73,8 +74,13 @@ the full-batch loss and gradient. Nothing here assumes a batch size.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # a plain dataclass, read by attribute: no Hydra here
+    from grpo_cli.config.schema import LossConfig
 
 __all__ = [
     "group_advantages",
@@ -101,6 +107,10 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ZERO_STD_MODES = ("mask", "weight", "keep")
 SAMPLER_CORRECTIONS = ("none", "tis")  # tis: truncated_importance_weights
+# zero_std="weight" (ref 002 option 2): the KL term of a row is weighted by
+# sigmoid((group std - floor) / width): ~0 without reward spread, ~1 above the floor.
+ZERO_STD_FLOOR = 0.05
+ZERO_STD_WIDTH = 0.01
 
 
 def _check_choice(name: str, value: object, valid: tuple[str, ...]) -> None:
@@ -130,7 +140,7 @@ def _std(x: Tensor, dim: int | None, kind: str) -> Tensor:
 
 
 def zero_std_groups(
-    rewards: Tensor, group_size: int, *, std: str = "population", zero_std_threshold: float = 1e-6
+    rewards: Tensor, num_generations: int, *, std: str = "population", zero_std_threshold: float = 1e-6
 ) -> Tensor:
     """``[B/G]`` bool: the groups whose reward std (of kind ``std``) is below the threshold.
 
@@ -139,26 +149,20 @@ def zero_std_groups(
     come from here.
     """
     _check_choice("std", std, STD_KINDS)
-    grouped = rewards.detach().to(_compute_dtype(rewards.dtype)).view(-1, group_size)  # [B/G, G]
+    grouped = rewards.detach().to(_compute_dtype(rewards.dtype)).view(-1, num_generations)  # [B/G, G]
     return _std(grouped, dim=1, kind=std) < zero_std_threshold  # [B/G]
 
 
 def group_advantages(
-    rewards: Tensor,
-    group_size: int,
-    *,
-    scale_rewards: str = "group",
-    std: str = "population",
-    eps: float = 1e-4,
-    estimator: str = "grpo",
-    zero_std_threshold: float = 1e-6,
+    rewards: Tensor, num_generations: int, *, cfg: LossConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-group advantages (ref 004): never normalised over the whole batch.
 
     Args:
         rewards: ``[B]`` total reward per completion, in consecutive groups of
-            ``group_size`` completions of one prompt. Any real dtype.
-        group_size: ``G``; ``B`` must be a multiple of it.
+            ``num_generations`` completions of one prompt. Any real dtype.
+        num_generations: ``G``; ``B`` must be a multiple of it.
+        cfg: the loss section (config.LossConfig); these fields are read:
         scale_rewards: ``"group"`` (divide by group std + eps), ``"batch"``
             (divide by batch std + eps, mean still per group) or ``"none"``.
         std: ``"population"`` (default) or ``"sample"`` (TRL). With small ``G``
@@ -176,34 +180,36 @@ def group_advantages(
         floating point (float32 or wider). ``advantages`` are exactly 0 in
         flagged groups; ``group_std`` is each row's group std of kind ``std``.
     """
+    scale_rewards, std, eps, estimator = cfg.scale_rewards, cfg.std, cfg.eps, cfg.estimator
+    G = num_generations
     _check_choice("scale_rewards", scale_rewards, SCALE_REWARDS)
     _check_choice("std", std, STD_KINDS)
     _check_choice("estimator", estimator, ESTIMATORS)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if not isinstance(G, int) or isinstance(G, bool) or G < 1:
+        raise ValueError(f"num_generations must be a positive int, got {G!r}")
     batch = rewards.shape[0]
-    if batch % group_size != 0:
+    if batch % G != 0:
         raise ValueError(
-            f"batch of {batch} rewards is not a multiple of group_size={group_size}; "
+            f"batch of {batch} rewards is not a multiple of num_generations={G}; "
             "each prompt's completions must stay together"
         )
-    if estimator == "rloo" and group_size < 2:
-        raise ValueError("estimator='rloo' needs group_size >= 2 (leave-one-out baseline)")
+    if estimator == "rloo" and G < 2:
+        raise ValueError("estimator='rloo' needs num_generations >= 2 (leave-one-out baseline)")
 
     # ref 004: advantages are constants; no gradient ever flows back into rewards.
     r = rewards.detach().to(_compute_dtype(rewards.dtype))  # [B]
-    grouped = r.view(-1, group_size)  # [B/G, G]
+    grouped = r.view(-1, G)  # [B/G, G]
 
     mean = grouped.mean(dim=1, keepdim=True)  # [B/G, 1]
     g_std = _std(grouped, dim=1, kind=std)  # [B/G]
-    flagged = zero_std_groups(r, group_size, std=std, zero_std_threshold=zero_std_threshold)  # [B/G] bool
+    flagged = zero_std_groups(r, G, std=std, zero_std_threshold=cfg.zero_std_threshold)  # [B/G] bool
 
     centered = grouped - mean  # [B/G, G]
     if estimator == "rloo":
         # r_i - mean_{j != i} r_j == G/(G-1) * (r_i - mean): unbiased baseline (ref 004).
-        centered = centered * (group_size / (group_size - 1))
+        centered = centered * (G / (G - 1))
 
     if scale_rewards == "group":
         adv = centered / (g_std.unsqueeze(1) + eps)  # [B/G, G]
@@ -218,8 +224,8 @@ def group_advantages(
     adv = torch.where(flagged.unsqueeze(1), torch.zeros_like(adv), adv)  # [B/G, G]
 
     advantages = adv.reshape(-1)  # [B]
-    zero_std = flagged.repeat_interleave(group_size)  # [B] bool
-    group_std = g_std.repeat_interleave(group_size)  # [B]
+    zero_std = flagged.repeat_interleave(G)  # [B] bool
+    group_std = g_std.repeat_interleave(G)  # [B]
     return advantages, zero_std, group_std
 
 
@@ -396,22 +402,13 @@ def grpo_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    kl_estimator: str = "k3",
-    loss_type: str = "grpo",
-    zero_std: str = "mask",
+    cfg: LossConfig,
     zero_std_flags: Tensor | None = None,
     group_std: Tensor | None = None,
-    zero_std_floor: float = 0.05,
-    zero_std_width: float = 0.01,
     num_sequences: int | None = None,
     num_tokens: int | None = None,
     max_new_tokens: int | None = None,
-    group_size: int | None = None,
+    num_generations: int | None = None,
     importance_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO surrogate plus ``beta * KL``, reduced per ``loss_type``.
@@ -425,6 +422,7 @@ def grpo_loss(
             ratio), or None when ``beta == 0``.
         advantages: ``[B]`` from :func:`group_advantages`; detached here.
         mask: ``[B, T]`` completion-token mask, 0/1 or bool.
+        cfg: the loss section (config.LossConfig); these fields are read:
         beta: KL coefficient (>= 0).
         epsilon, epsilon_high: clip range ``[1 - epsilon, 1 + epsilon_high]``;
             ``epsilon_high`` defaults to ``epsilon`` (DAPO clip-higher).
@@ -437,13 +435,12 @@ def grpo_loss(
         zero_std_flags: ``[B]`` bool from :func:`group_advantages`; None means
             no row is flagged.
         group_std: ``[B]`` per-row group std; required by ``zero_std="weight"``.
-        zero_std_floor, zero_std_width: the sigmoid of ``"weight"`` mode.
         num_sequences, num_tokens: step totals from :func:`loss_normalizers`;
             default to this call's own counts.
         max_new_tokens: ``L`` for ``"dr_grpo"``; defaults to ``T``. Pass the
             configured completion limit when micro-batches are padded to
             different lengths.
-        group_size: only used for the ``num_zero_std_groups`` stat.
+        num_generations: only used for the ``num_zero_std_groups`` stat.
         importance_weights: optional ``[B, T]`` per-token weights of the policy
             term (not the KL term), e.g. :func:`truncated_importance_weights`
             for a sampler/trainer mismatch; detached here.
@@ -452,11 +449,14 @@ def grpo_loss(
         ``(loss, stats)``: a scalar loss, and detached scalar stats ``kl``,
         ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
         ``clip_ratio/region_mean``, ``ratio_mean``, ``ratio_max``,
-        ``num_tokens``, ``num_zero_std_rows`` and, when ``group_size`` is
-        given, ``num_zero_std_groups``. Means are over the tokens that enter
+        ``num_tokens``, ``num_zero_std_rows`` and, when ``num_generations``
+        is given, ``num_zero_std_groups``. Means are over the tokens that enter
         the loss in this call (0 when there are none).
     """
     # ---- options and shapes
+    beta, epsilon, epsilon_high, delta = cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.delta
+    importance_sampling_level, kl_estimator = cfg.importance_sampling_level, cfg.kl_estimator
+    loss_type, zero_std = cfg.loss_type, cfg.zero_std
     _check_choice("importance_sampling_level", importance_sampling_level, IS_LEVELS)
     _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     _check_choice("loss_type", loss_type, LOSS_TYPES)
@@ -467,8 +467,6 @@ def grpo_loss(
         raise ValueError(f"beta={beta} > 0 needs ref_logps (reference-model log-probs)")
     if zero_std == "weight" and group_std is None:
         raise ValueError("zero_std='weight' needs group_std (from group_advantages)")
-    if zero_std == "weight" and zero_std_width <= 0:
-        raise ValueError(f"zero_std_width must be > 0, got {zero_std_width}")
     if logps.dim() != 2:
         raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
     shape = tuple(logps.shape)
@@ -524,7 +522,7 @@ def grpo_loss(
         if zero_std == "weight":
             # ref 002 option 2: ~0 for groups without reward spread, ~1 above the floor.
             w = torch.sigmoid(
-                (group_std.detach().to(device=device, dtype=cdtype) - zero_std_floor) / zero_std_width
+                (group_std.detach().to(device=device, dtype=cdtype) - ZERO_STD_FLOOR) / ZERO_STD_WIDTH
             )  # [B]
             kl_term = kl_term * w.unsqueeze(1)  # [B, T]
         per_token_loss = per_token_loss + beta * kl_term  # [B, T]
@@ -571,6 +569,6 @@ def grpo_loss(
             "num_tokens": n_valid,
             "num_zero_std_rows": n_zero_rows,
         }
-        if group_size is not None:
-            stats["num_zero_std_groups"] = n_zero_rows / float(group_size)
+        if num_generations is not None:
+            stats["num_zero_std_groups"] = n_zero_rows / float(num_generations)
     return loss, stats

@@ -358,7 +358,7 @@ def training_activations(
     *,
     precision: str,
     prompts_per_micro_batch: int,
-    generations: int,
+    num_generations: int,
     prompt_length: int,
     completion_length: int,
     gradient_checkpointing: bool,
@@ -371,15 +371,15 @@ def training_activations(
     layer keeps only its input (hidden per token) and one layer at a time is recomputed in full.
     """
     act = activation_bytes(precision)
-    tokens = prompts_per_micro_batch * (prompt_length + generations * completion_length)
+    tokens = prompts_per_micro_batch * (prompt_length + num_generations * completion_length)
     if gradient_checkpointing:
-        tokens = prompts_per_micro_batch * generations * (prompt_length + completion_length)
+        tokens = prompts_per_micro_batch * num_generations * (prompt_length + completion_length)
     full_layer = tokens * _layer_activation_bytes_per_token(shape, act)
     if gradient_checkpointing:
         layers = tokens * shape.num_layers * act * shape.hidden_size + full_layer
     else:
         layers = shape.num_layers * full_layer
-    rows = prompts_per_micro_batch * generations
+    rows = prompts_per_micro_batch * num_generations
     return layers + _logits_bytes(rows, completion_length, shape.vocab_size)
 
 
@@ -399,7 +399,7 @@ def estimate(
     precision: str = "fp32",
     beta: float = 0.0,
     prompts_per_micro_batch: int = 1,
-    generations: int = 8,
+    num_generations: int = 8,
     prompt_length: int = 256,
     completion_length: int = 16,
     device_type: str = "cpu",
@@ -446,7 +446,7 @@ def estimate(
         shape,
         precision=precision,
         prompts_per_micro_batch=prompts_per_micro_batch,
-        generations=generations,
+        num_generations=num_generations,
         prompt_length=prompt_length,
         completion_length=completion_length,
         gradient_checkpointing=gradient_checkpointing,
@@ -454,7 +454,7 @@ def estimate(
     sampling = sampling_kv_cache(
         shape,
         precision=precision,
-        rows=(prompts_per_sampling_batch or prompts_per_micro_batch) * generations,
+        rows=(prompts_per_sampling_batch or prompts_per_micro_batch) * num_generations,
         prompt_length=prompt_length,
         completion_length=completion_length,
     )

@@ -388,12 +388,12 @@ def step_row(
 ) -> dict[str, Any]:
     """One training step's metrics row (TRL's names where TRL has one). `batch` is the rollout
     trained on (rollout.Rollout, rewards filled); `sampled` what dynamic sampling drew in all
-    (engine.Sampled: every sampled group's rewards, its zero-std count, G); `started`: the step's
+    (step.Sampled: every sampled group's rewards, its zero-std count, num_generations); `started`: the step's
     time.perf_counter() at its start."""
 
     from grpo_cli.rewards import passes, reward_metrics
 
-    G, step_time = sampled.group_size, time.perf_counter() - started
+    G, step_time = sampled.num_generations, time.perf_counter() - started
     lengths = batch.lengths.float()
     rewards = batch.rewards
     return {
@@ -414,5 +414,5 @@ def step_row(
         "tokens_per_second": float(batch.completion_mask.sum()) / step_time,
         # Where the step's time went (seconds); policy = forward+backward of all micro-batches.
         **{f"time/{name}": seconds for name, seconds in phase.items()},
-        "pass_rate_hist": pass_rate_histogram(passes(sampled.per_reward, sampled.totals), G),
+        "pass_rate_hist": pass_rate_histogram(passes(sampled.per_reward, sampled.totals, sampled.judge), G),
     }

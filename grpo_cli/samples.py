@@ -31,13 +31,13 @@ def step_records(
     lengths: list[int],
     truncated: list[bool],
     zero_std: list[bool],
-    group_size: int,
+    num_generations: int,
 ) -> list[dict[str, Any]]:
-    """One record per completion (rows in rollout order, `group_size` consecutive rows a group)."""
+    """One record per completion (rows in rollout order, `num_generations` consecutive rows a group)."""
     return [
         {
             "step": step,
-            "group": i // group_size,
+            "group": i // num_generations,
             "prompt": prompts[i],
             "completion": texts[i],
             "rewards": {name: values[i] for name, values in reward_values.items()},

@@ -2,7 +2,7 @@
 
 A run folder holds `metrics.jsonl` (one JSON row per logged step; its last line may be cut
 short while the run is still writing it: such a line is skipped) and, for a sweep job,
-`status.json` (how the job ended, written by grpo_cli/jobs.py). A sweep folder holds one run
+`status.json` (how the job ended, written by grpo_cli/cli/sweep.py). A sweep folder holds one run
 folder per job. A summary row holds the job's overrides, the final and best values of the
 headline metrics, the steps trained, the wall time and the status; a sweep's rows are printed
 as a rich table and written as `summary.csv` and `summary.json` in the sweep folder.

@@ -79,7 +79,7 @@ def estimate_gib(method: str, beta: float, prompt_length: int, gradient_checkpoi
         precision="fp32",
         beta=beta,
         prompts_per_micro_batch=4,
-        generations=8,
+        num_generations=8,
         prompt_length=prompt_length,
         completion_length=16,
         device_type="cpu",

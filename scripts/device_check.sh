@@ -120,7 +120,7 @@ else
   device=cpu precision=bf16 train_steps=2 eval_size=20
   bench=(--device cpu --cases 1:0.04:1 --steps 1 --variants "grpo-cli fp32,grpo-cli bf16,TRL bf16 tuned")
   alone=(--device cpu --cases 1:0.04:1 --steps 1 --variants "grpo-cli fp32,grpo-cli bf16,floor fp32")
-  limits=(300 300 0 60 900)
+  limits=(300 300 0 120 900)
   # A CPU without bf16 units (no AVX512-BF16/AMX) emulates bf16 many times slower than fp32 (two
   # steps of the default recipe ran past 300 s on one): check fp32 there, and say so.
   if ! "${py[@]}" -c 'import sys; from grpo_cli.precision import cpu_has_bf16; sys.exit(not cpu_has_bf16())'; then

@@ -49,7 +49,8 @@ def install(spec: str) -> None:
 
     import torch
 
-    from grpo_cli import build, checkpoint, engine, metrics
+    from grpo_cli import build, checkpoint, metrics
+    from grpo_cli import step as train_step
 
     kind, _, arg = spec.partition(":")
     if kind == "signal_during_build":
@@ -113,7 +114,7 @@ def install(spec: str) -> None:
 
         checkpoint.shutil.rmtree = rmtree
     elif kind == "nan_loss_from":
-        original_loss = engine.grpo_loss
+        original_loss = train_step.grpo_loss
         calls = {"n": 0}
 
         def grpo_loss(*a, **kw):
@@ -123,7 +124,7 @@ def install(spec: str) -> None:
                 loss = loss * float("nan")
             return loss, stats
 
-        engine.grpo_loss = grpo_loss
+        train_step.grpo_loss = grpo_loss
     elif kind != "kill_after_save":  # (that one is handled by the save_checkpoint wrapper)
         raise ValueError(f"unknown GRPO_TEST_FAULT {spec!r}")
 

@@ -16,7 +16,7 @@ import transformers as tf
 
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.models import build_tiny, disable_dropout
-from grpo_cli.rollout import left_pad, sample
+from grpo_cli.samplers.builtin import left_pad, sample
 
 V = 103  # the built-in tiny tokenizer's vocabulary, so each model can also train with it
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -203,14 +203,15 @@ def test_an_untested_model_type_trains_through_the_plain_paths_with_a_notice(
 ):
     """GPT-Neo is not in the matrix: no shared-prompt KV cache, no decode-time W @ x^T layers, a
     one-line notice, and the self-check still guards its log-probs."""
-    from grpo_cli import logprobs, rollout
+    from grpo_cli import logprobs
     from grpo_cli.cli.train import train_config
+    from grpo_cli.samplers import builtin
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a fast path ran for an untested architecture")
 
     monkeypatch.setattr(logprobs, "prefill", forbidden)
-    monkeypatch.setattr(rollout, "few_rows_linears", forbidden)
+    monkeypatch.setattr(builtin, "few_rows_linears", forbidden)
     config = tf.GPTNeoConfig(
         vocab_size=V,
         hidden_size=32,

@@ -90,7 +90,6 @@ VALIDATION_CASES = [
     (["trainer.precision=fp8"], "trainer.precision='fp8'", "fp32"),
     (["data.max_operand=3", "data.num_examples=1000"], "1200 exceeds", "raise max_operand"),
     (["data=jsonl"], "data.path", "needs data.path"),
-    (["reward.accuracy.weight=heavy"], "reward.accuracy.weight", "'heavy'"),
     (["reward.accuracy.extract=bogus"], "bogus", "last_number"),
     (["+reward.mine.fn=no_such_module:fn"], "no_such_module", "PYTHONPATH"),
     (
@@ -153,6 +152,62 @@ def test_presets_set_only_what_they_change(group):
                 continue
             assert key in schema, f"{path.name}: {key} is not a key of {group}"
             assert value != schema[key], f"{path.name} restates the schema's default {group}.{key}={value!r}"
+
+
+REWARDS = ["accuracy", "format", "length"]
+
+
+@pytest.mark.parametrize("name", REWARDS)
+def test_a_built_in_rewards_options_are_typed_while_hydra_composes(compose, name):
+    """Each built-in reward's node is typed from its Options dataclass (config.reward_node): every
+    option is there with its default, settable without a +, and a wrong type fails at compose."""
+    from dataclasses import asdict
+
+    from hydra.errors import ConfigCompositionException
+
+    from grpo_cli import rewards
+
+    node = compose([f"reward=[{name}]"]).reward[name]
+    defaults = asdict(getattr(rewards, name).Options())
+    assert set(defaults) | {"weight", "fn", "role"} == set(node)
+    with pytest.raises(ConfigCompositionException, match=f"reward.{name}.weight"):
+        compose([f"reward=[{name}]", f"reward.{name}.weight=heavy"])
+
+
+@pytest.mark.parametrize("name", REWARDS)
+def test_reward_presets_set_only_what_they_change(name):
+    """A reward preset sets its weight and, of its options, only those that differ from the
+    reward's Options (the one source of their defaults)."""
+    from dataclasses import asdict
+
+    import yaml
+
+    from grpo_cli import rewards
+
+    defaults = asdict(getattr(rewards, name).Options())
+    values = yaml.safe_load((CONF / "reward" / f"{name}.yaml").read_text())[name]
+    for key, value in values.items():
+        if key != "weight":
+            assert key in defaults and value != defaults[key], (name, key, value)
+
+
+def test_a_reward_of_yours_can_take_the_correctness_role(compose):
+    """role: correctness, from YAML or from the function's own attribute, drives the pass rule;
+    two correctness rewards are refused with the fix."""
+    from grpo_cli.rewards import build_rewards, check_rewards, correctness, passes
+
+    specs = build_rewards({"mine": {"fn": "reward_fixtures:constant", "role": "correctness"}, "format": {}})
+    assert correctness(specs).name == "mine"
+    assert passes({"mine": [1.0, 0.0], "format": [0.0, 1.0]}, [1.0, 1.0], correctness(specs).name) == [
+        True,
+        False,
+    ]
+    assert correctness(build_rewards({"format": {}})) is None
+    problems = check_rewards(
+        {"accuracy": {}, "mine": {"fn": "reward_fixtures:constant", "role": "correctness"}}
+    )
+    assert any("role correctness" in p and "role=shaping" in p for p in problems), problems
+    assert any("role='judge'" in p for p in check_rewards({"format": {"role": "judge"}}))
 
 
 # ----------------------------------------------------------------------------- unused settings
@@ -303,7 +358,7 @@ def test_every_ignored_key_is_its_own_problem(compose):
 def trackers(monkeypatch, tmp_path):
     """Every tracker package present (unless a test says otherwise) and no W&B settings from this
     machine: no WANDB_* variables, an empty netrc path."""
-    import grpo_cli.config as config
+    import grpo_cli.config.validation as config
 
     missing: set[str] = set()
     import grpo_cli.trackers as trackers_module

@@ -109,10 +109,10 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_logs_it_and_keeps_training(
 def test_running_out_of_memory_says_how_to_make_a_step_fit(compose, tmp_path, monkeypatch):
     """An allocation failure in the middle of a step (on a GPU a real one, 35 TB): one paragraph
     with the settings that shrink a step, exit status 2, no traceback."""
-    from grpo_cli import engine
     from grpo_cli.cli.sweep import RunFailed
     from grpo_cli.cli.train import _run_here
     from grpo_cli.distributed import Dist
+    from grpo_cli.samplers import builtin
 
     def sample(*args, **kwargs):
         if CUDA:  # a real one: 35 TB
@@ -123,7 +123,7 @@ def test_running_out_of_memory_says_how_to_make_a_step_fit(compose, tmp_path, mo
             "you tried to allocate 35184372088832 bytes. Error code 12 (Cannot allocate memory)"
         )
 
-    monkeypatch.setattr(engine, "sample", sample)
+    monkeypatch.setattr(builtin, "sample", sample)
     cfg = compose(TINY + ["trainer.max_steps=1", "trainer.gradient_accumulation_steps=2"])
     with pytest.raises(RunFailed) as info:
         _run_here(cfg, tmp_path, [], in_sweep=True, d=Dist())

@@ -84,7 +84,7 @@ def test_a_prompt_samples_the_same_completions_whatever_prompts_share_its_batch(
     """What makes a 2-process step draw what a 1-process step draws: prompt b's completions come
     from seeds[b] alone (its neighbours, the padding they add and the batch size do not matter)."""
     from grpo_cli.models import build_tiny, load_model, resolve_source
-    from grpo_cli.rollout import sample
+    from grpo_cli.samplers.builtin import sample
 
     model = load_model(resolve_source(str(build_tiny()), None), device=torch.device("cpu"), trainable=False)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15]]

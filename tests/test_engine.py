@@ -215,24 +215,34 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
     several processes would, and the wide set (operands outside training's) under eval_wide/."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.build import build_data, build_wide_eval, read_data, read_wide_eval, sampler_kwargs
+    from grpo_cli.build import build_data, build_wide_eval, read_data, read_wide_eval
     from grpo_cli.config import to_typed
     from grpo_cli.evaluate import evaluate, group_values
     from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
+    from grpo_cli.precision import resolve_precision
     from grpo_cli.rewards import RewardSpec
+    from grpo_cli.samplers import build_sampler
 
-    cfg = to_typed(compose(TINY[:2] + ["data.eval_size=24"]))
+    cfg = to_typed(compose(TINY[:2] + ["data.eval_size=24", "sampler.max_new_tokens=2"]))
     tok = load_tokenizer(resolve_source("builtin:tiny"))
     held_out = build_data(cfg, read_data(cfg), tok).eval
     wide = build_wide_eval(cfg, read_wide_eval(cfg), tok)
     model = AutoModelForCausalLM.from_pretrained(build_tiny())
-    rewards = [RewardSpec("accuracy", _plus_only, 1.0)]
-    kw = dict(eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, group_by="operation")
-    kw |= sampler_kwargs(cfg.sampler, num_generations=1, greedy=True, max_new_tokens=2)
+    rewards = [RewardSpec("accuracy", _plus_only, 1.0, role="correctness")]
+    fp32 = resolve_precision("fp32", model.device)
+    sampler = build_sampler(
+        cfg.sampler,
+        model,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        precision=fp32,
+        fast_decode=True,
+    )
+    kw = dict(group_by="operation")
     groups = group_values(held_out, "operation")
     assert groups == ["minus", "plus", "times"]
 
-    whole = evaluate(model, tok, held_out, rewards, groups=groups, **kw)
+    whole = evaluate(sampler, tok, held_out, rewards, groups=groups, **kw)
     share = sum(ex.columns["operation"] == "plus" for ex in held_out) / len(held_out)
     assert whole["eval/accuracy"] == pytest.approx(share) and 0 < share < 1
     assert (whole["eval/accuracy/plus"], whole["eval/accuracy/minus"], whole["eval/accuracy/times"]) == (
@@ -250,12 +260,12 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
         return values
 
     for half in halves:
-        evaluate(model, tok, half, rewards, groups=groups, reduce=collect, **kw)
+        evaluate(sampler, tok, half, rewards, groups=groups, reduce=collect, **kw)
     total = [a + b for a, b in zip(*sums)]
-    assert evaluate(model, tok, held_out, rewards, groups=groups, reduce=lambda _: total, **kw) == whole
+    assert evaluate(sampler, tok, held_out, rewards, groups=groups, reduce=lambda _: total, **kw) == whole
 
     out = evaluate(
-        model, tok, wide, rewards, prefix="eval_wide", groups=group_values(wide, "operation"), **kw
+        sampler, tok, wide, rewards, prefix="eval_wide", groups=group_values(wide, "operation"), **kw
     )
     assert set(out) == {
         "eval_wide/reward", "eval_wide/accuracy", "eval_wide/accuracy/minus", "eval_wide/accuracy/plus",

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from grpo_cli import logprobs as logprobs_mod
 from grpo_cli.logprobs import shared_prompt_groups, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.rollout import Rollout, draw, filter_logits, left_pad, sample
+from grpo_cli.rollout import Rollout
+from grpo_cli.samplers.builtin import draw, filter_logits, left_pad, sample
 
 
 @pytest.fixture(scope="module")
@@ -379,7 +380,7 @@ def test_filter_logits_top_k_and_top_p():
 @pytest.mark.parametrize("shape", [(1, 8), (8, 8), (3, 1, 8), (2, 5, 8), (70, 8)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_few_rows_linear_equals_linear_and_is_removed_after(shape, bias):
-    from grpo_cli.rollout import few_rows_linears
+    from grpo_cli.samplers.builtin import few_rows_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -10,8 +10,9 @@ import reward_fixtures
 import torch
 from safetensors.torch import load_file
 
-from grpo_cli import engine
+from grpo_cli import step
 from grpo_cli.cli.train import train_config as run
+from grpo_cli.samplers import builtin
 
 TINY = [
     "model=tiny",
@@ -31,9 +32,9 @@ def read_rows(run_dir):
 
 @pytest.fixture
 def loss_calls(monkeypatch):
-    """Every grpo_loss call of the engine: its inputs and its stats."""
+    """Every grpo_loss call of the training step: its inputs and its stats."""
     calls = []
-    real = engine.grpo_loss
+    real = step.grpo_loss
 
     def spy(logps, old_logps, ref_logps, advantages, mask, **kw):
         loss, stats = real(logps, old_logps, ref_logps, advantages, mask, **kw)
@@ -49,7 +50,7 @@ def loss_calls(monkeypatch):
         )
         return loss, stats
 
-    monkeypatch.setattr(engine, "grpo_loss", spy)
+    monkeypatch.setattr(step, "grpo_loss", spy)
     return calls
 
 
@@ -180,7 +181,7 @@ def test_tis_weights_the_policy_term_by_the_capped_trainer_sampler_ratio(
 ):
     """loss.sampler_correction=tis passes min(exp(trainer - sampler), cap) per token."""
     sampled = {}
-    real_sample = engine.sample
+    real_sample = builtin.sample
 
     def sample(*a, **kw):
         out = real_sample(*a, **kw)
@@ -188,7 +189,7 @@ def test_tis_weights_the_policy_term_by_the_capped_trainer_sampler_ratio(
         sampled["logps"] = out.sampler_logps.clone()
         return out
 
-    monkeypatch.setattr(engine, "sample", sample)
+    monkeypatch.setattr(builtin, "sample", sample)
     cfg = compose(
         TINY
         + LENGTH
@@ -216,7 +217,7 @@ def test_self_check_covers_every_micro_batch_of_the_first_step(compose, tmp_path
     micro-batch comes first in the shuffled order."""
     from grpo_cli.selfcheck import SelfCheckError
 
-    real_sample = engine.sample
+    real_sample = builtin.sample
 
     def sample(*a, **kw):
         out = real_sample(*a, **kw)
@@ -224,7 +225,7 @@ def test_self_check_covers_every_micro_batch_of_the_first_step(compose, tmp_path
         out.sampler_logps[-G:] -= 0.5 * out.completion_mask[-G:]  # the last group's rows
         return out
 
-    monkeypatch.setattr(engine, "sample", sample)
+    monkeypatch.setattr(builtin, "sample", sample)
     cfg = compose(
         TINY
         + LENGTH
@@ -247,8 +248,8 @@ def test_self_check_names_a_temperature_mismatch_in_every_precision(
     update, in bf16 too (its tolerance is loose enough for rounding, not for this bug)."""
     from grpo_cli.selfcheck import SelfCheckError
 
-    real_sample = engine.sample
-    monkeypatch.setattr(engine, "sample", lambda *a, **kw: real_sample(*a, **{**kw, "temperature": 0.5}))
+    real_sample = builtin.sample
+    monkeypatch.setattr(builtin, "sample", lambda *a, **kw: real_sample(*a, **{**kw, "temperature": 0.5}))
     cfg = compose(
         TINY + LENGTH + ["trainer.max_steps=1", f"trainer.precision={precision}", "sampler.max_new_tokens=16"]
     )

@@ -55,7 +55,7 @@ def _perturb_adapters(model, seed=0):
 
 
 def _rollout(model, tok, G=3):
-    from grpo_cli.rollout import sample
+    from grpo_cli.samplers.builtin import sample
 
     prompts = [tok("What is 2 plus 3?")["input_ids"], tok("Hi")["input_ids"]]
     torch.manual_seed(0)
@@ -169,7 +169,7 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(compose, tmp_
     policy = parts.policy
     adapter_names = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert adapter_names and all("lora_A" in n or "lora_B" in n for n in adapter_names)
-    held = {id(p) for group in parts.optimizer.param_groups for p in group["params"]}
+    held = {id(p) for group in parts.opt_step.optimizer.param_groups for p in group["params"]}
     assert held == {id(p) for n, p in policy.named_parameters() if n in adapter_names}
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     train(cfg, parts, tmp_path, "{}", on_start=None)
@@ -213,7 +213,7 @@ def test_decode_fast_path_and_shared_prompt_forward_match_the_plain_paths_with_a
     (base_layer, lora_A, lora_B): greedy tokens and log-probs as without them; the shared-prompt
     training forward equals the plain one."""
     from grpo_cli.logprobs import token_logprobs
-    from grpo_cli.rollout import sample
+    from grpo_cli.samplers.builtin import sample
 
     cfg, parts = _parts(compose, tmp_path, LORA)
     model, tok = parts.policy, parts.tokenizer
@@ -228,7 +228,7 @@ def test_decode_fast_path_and_shared_prompt_forward_match_the_plain_paths_with_a
     )
     assert torch.equal(fast.completion_ids, plain.completion_ids)
     torch.testing.assert_close(fast.sampler_logps, plain.sampler_logps, atol=1e-5, rtol=0)
-    from grpo_cli.rollout import _patch_counts
+    from grpo_cli.samplers.builtin import _patch_counts
 
     assert not any(True for _ in _patch_counts.keys())  # every layer unpatched afterwards
     r = _rollout(model, tok)

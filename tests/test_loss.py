@@ -9,20 +9,42 @@ Gradient comparisons run in float64.
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
 
+from grpo_cli import loss as loss_module
+from grpo_cli.config import LossConfig
 from grpo_cli.loss import (
     LOG_RATIO_CLAMP,
-    group_advantages,
-    grpo_loss,
     has_learning_signal,
     importance_ratio,
     loss_normalizers,
     per_token_kl,
     truncated_importance_weights,
 )
+
+_OPTIONS = {f.name for f in fields(LossConfig)}
+
+
+def _split(kw: dict) -> tuple[LossConfig, dict]:
+    """The loss options among `kw` as the config section the functions take, and the rest."""
+    return LossConfig(**{k: v for k, v in kw.items() if k in _OPTIONS}), {
+        k: v for k, v in kw.items() if k not in _OPTIONS
+    }
+
+
+def grpo_loss(*args, **kw):
+    """loss.grpo_loss with the tables' options (beta=..., loss_type=...) given as its cfg."""
+    cfg, rest = _split(kw)
+    return loss_module.grpo_loss(*args, cfg=cfg, **rest)
+
+
+def group_advantages(rewards, num_generations, **kw):
+    cfg, rest = _split(kw)
+    return loss_module.group_advantages(rewards, num_generations, cfg=cfg, **rest)
+
 
 F64 = torch.float64
 LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
@@ -340,8 +362,6 @@ def test_weight_mode_scales_kl_by_sigmoid(std_value):
         beta=0.1,
         zero_std="weight",
         group_std=gstd,
-        zero_std_floor=0.05,
-        zero_std_width=0.01,
     )
     w = torch.sigmoid(torch.tensor((std_value - 0.05) / 0.01, dtype=F64))
     assert torch.allclose(g_w, w * g_keep)
@@ -429,7 +449,9 @@ def test_gradient_accumulation_invariance(loss_type, level, mode):
     assert zero.tolist() == [False, False, True, True, False, False, False, False]
     logps, old, ref, mask = make_batch([6, 1, 4, 6, 3, 0, 5, 2], 6, seed=5)
     old = old + 0.3 * torch.randn(8, 6, dtype=F64, generator=torch.Generator().manual_seed(9))
-    kw = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level, zero_std=mode, group_size=2)
+    kw = dict(
+        beta=0.04, loss_type=loss_type, importance_sampling_level=level, zero_std=mode, num_generations=2
+    )
     full_loss, full_grad, _ = grad_of(logps, old, ref, adv, mask, zero_std_flags=zero, group_std=gstd, **kw)
     n_seq, n_tok = loss_normalizers(mask, zero, zero_std_mode=mode)
     leaf = logps.clone().requires_grad_(True)
@@ -527,7 +549,7 @@ def test_all_masked_batch_gives_zero(loss_type, flagged):
         beta=0.1,
         loss_type=loss_type,
         zero_std_flags=flags,
-        group_size=3,
+        num_generations=3,
     )
     assert loss.item() == 0.0
     assert torch.equal(grad, torch.zeros_like(grad))
@@ -554,7 +576,7 @@ def test_stats_over_tokens_entering_the_loss(mode):
         zero_std=mode,
         zero_std_flags=zero,
         group_std=torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=F64),
-        group_size=2,
+        num_generations=2,
     )
     r = torch.exp(-old)  # [B, T]
     rows = [0, 1] if mode == "mask" else [0, 1, 2, 3]
@@ -631,8 +653,8 @@ def test_bad_option_names_raise(fn, kwargs, valid):
             "ref_logps",
         ),
         (lambda: _loss_call(zero_std="weight"), "group_std"),
-        (lambda: group_advantages(torch.zeros(6), 4), "multiple of group_size"),
-        (lambda: group_advantages(torch.zeros(3), 1, estimator="rloo"), "group_size >= 2"),
+        (lambda: group_advantages(torch.zeros(6), 4), "multiple of num_generations"),
+        (lambda: group_advantages(torch.zeros(3), 1, estimator="rloo"), "num_generations >= 2"),
         (
             lambda: grpo_loss(torch.zeros(2, 3), torch.zeros(2, 4), None, torch.zeros(2), torch.ones(2, 3)),
             "old_logps",

@@ -126,7 +126,9 @@ SHAPE = memory.ModelShape(
     num_kv_heads=1,
     head_dim=5,
 )
-RUN = dict(prompts_per_micro_batch=2, generations=4, prompt_length=8, completion_length=3, device_type="cpu")
+RUN = dict(
+    prompts_per_micro_batch=2, num_generations=4, prompt_length=8, completion_length=3, device_type="cpu"
+)
 
 
 def test_weights_gradients_optimizer_and_reference_terms():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from grpo_cli import models
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.models import ModelSource, disable_dropout, load_model
-from grpo_cli.rollout import left_pad, sample
+from grpo_cli.samplers.builtin import left_pad, sample
 
 # ----------------------------------------------------------------------------- (A) dropout
 

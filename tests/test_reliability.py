@@ -3,8 +3,8 @@ numerical faults are caught, and the security defaults hold.
 
 1. CATALOGUE: every bad input runs the installed `grpo-train` in a subprocess and must give the
    documented exit status, a message of a few lines naming the bad value and the fix, no
-   traceback, and no new or changed file anywhere under the test's folder. The README's
-   troubleshooting table lists every case by its id (checked below).
+   traceback, and no new or changed file anywhere under the test's folder. The table of
+   docs/troubleshooting.md lists every case by its id (checked below).
 2. Interrupts: SIGINT/SIGTERM save and exit 130/143 with the resume command; a second signal
    abandons the step; SIGKILL at chosen points of a checkpoint write never leaves a listed
    checkpoint that is corrupt.
@@ -115,7 +115,7 @@ def trained_run(tmp_path_factory, tiny_folder) -> Path:
 
 @dataclass
 class Case:
-    id: str  # the README troubleshooting table's first column
+    id: str  # the first column of docs/troubleshooting.md's table
     args: list[str]  # "{in}" stands for the case's input folder
     needles: list[str]  # must all appear in the output: the bad value and the fix
     setup: Callable[[Path, dict], None] | None = None  # writes inputs under {in}
@@ -504,7 +504,9 @@ def test_catalogue_bad_input_is_a_short_message_with_no_traceback_and_no_artefac
     before = snapshot(tmp_path)
     res = grpo(args, cwd, env=env, file_size_limit=case.file_size_limit)
     out = res.stdout + res.stderr
-    if os.environ.get("GRPO_TEST_DUMP"):  # to refresh the README table: GRPO_TEST_DUMP=file pytest ...
+    if os.environ.get(
+        "GRPO_TEST_DUMP"
+    ):  # to refresh docs/troubleshooting.md's table: GRPO_TEST_DUMP=file pytest ...
         with open(os.environ["GRPO_TEST_DUMP"], "a") as fh:
             fh.write(f"=== {case.id} rc={res.returncode} {' '.join(case.args)}\n{out}\n")
 
@@ -524,11 +526,12 @@ def test_catalogue_bad_input_is_a_short_message_with_no_traceback_and_no_artefac
         assert not [p for p in (cwd / "out").rglob("*") if p.name.startswith(("step-", ".tmp-", ".trash-"))]
 
 
-def test_readme_troubleshooting_table_lists_every_catalogue_case():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Troubleshooting", 1)[1].split("\n## ", 1)[0]
-    ids = re.findall(r"^\| *([A-Z]\d+) *\|", section, flags=re.M)
-    assert sorted(ids) == sorted(c.id for c in CATALOGUE), "README table and CATALOGUE differ"
+def test_troubleshooting_table_lists_every_catalogue_case():
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    ids = re.findall(r"^\| *([A-Z]\d+) *\|", page, flags=re.M)
+    assert sorted(ids) == sorted(c.id for c in CATALOGUE), (
+        "docs/troubleshooting.md's table and CATALOGUE differ"
+    )
     assert len(CATALOGUE) >= 30
 
 
@@ -777,11 +780,11 @@ class _NanGradient(torch.autograd.Function):
 
 
 def _inject(monkeypatch, bad_calls: set[int], kind: str = "loss", poison_weights: bool = False, model=None):
-    """Patch the engine's loss: on the given calls (1-based; one call per step here) make the loss
+    """Patch the training step's loss: on the given calls (1-based; one call per step here) make the loss
     (or only its gradient) NaN."""
-    import grpo_cli.engine as engine
+    import grpo_cli.step as step
 
-    original = engine.grpo_loss
+    original = step.grpo_loss
     calls = {"n": 0}
 
     def grpo_loss(logps, *a, **kw):
@@ -795,7 +798,7 @@ def _inject(monkeypatch, bad_calls: set[int], kind: str = "loss", poison_weights
             return loss, stats
         return original(logps, *a, **kw)
 
-    monkeypatch.setattr(engine, "grpo_loss", grpo_loss)
+    monkeypatch.setattr(step, "grpo_loss", grpo_loss)
 
 
 NUMERIC = SMALL + [

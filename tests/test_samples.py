@@ -28,7 +28,7 @@ def records(step=1, rewards=(1.2, 0.0, 0.2, 0.2, 0.2, 0.2), G=3, text="x"):
         lengths=[3] * n,
         truncated=[i == 1 for i in range(n)],
         zero_std=[i >= G for i in range(n)],
-        group_size=G,
+        num_generations=G,
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_cli.rollout import _few_rows_linear, draw, few_rows_linears, sampling_cdf
+from grpo_cli.samplers.builtin import _few_rows_linear, draw, few_rows_linears, sampling_cdf
 
 QWEN_VOCAB = 151_936
 

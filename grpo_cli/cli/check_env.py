@@ -184,7 +184,7 @@ def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
         beta=float(cfg.loss.beta),
         prompts_per_step=int(t.prompts_per_step),
         prompts_per_micro_batch=max(1, t.prompts_per_step // max(1, t.gradient_accumulation_steps)),
-        generations=int(s.num_generations),
+        num_generations=int(s.num_generations),
         prompt_length=int(s.max_prompt_length),
         completion_length=int(s.max_new_tokens),
         gradient_checkpointing=bool(t.gradient_checkpointing),
@@ -272,7 +272,7 @@ def format_estimate(est: dict[str, Any]) -> str:
         f"memory estimate: {est['name_or_path']} ({est['model_type']})",
         f"  device           {s['device_type']}, {have} ({est['available_source']})",
         f"  precision        {s['precision']}, gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}",
-        f"  batch            {s['prompts_per_micro_batch']} prompts x {s['generations']} completions per "
+        f"  batch            {s['prompts_per_micro_batch']} prompts x {s['num_generations']} completions per "
         f"micro-batch ({s['prompts_per_step']} prompts sampled per step), {s['prompt_length']} prompt + "
         f"{s['completion_length']} completion tokens, loss.beta={s['beta']:g}",
         f"  parameters       {p['total']:,} total; LoRA r={s['lora_r']}: {p['lora_adapters']:,} adapter "

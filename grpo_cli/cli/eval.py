@@ -38,13 +38,12 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         load_policy,
         read_data,
         read_wide_eval,
-        sampler_kwargs,
     )
     from grpo_cli.evaluate import group_values, score_examples
     from grpo_cli.models import tested_architecture
-    from grpo_cli.precision import autocast, resolve_device, resolve_precision
-    from grpo_cli.rewards import build_rewards, passes
-    from grpo_cli.rollout import sample
+    from grpo_cli.precision import resolve_device, resolve_precision
+    from grpo_cli.rewards import build_rewards, correctness, passes
+    from grpo_cli.samplers import build_sampler
 
     t, s = cfg.trainer, cfg.sampler
     rewards = build_rewards(cfg.reward)
@@ -61,27 +60,27 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     if not examples:
         raise UserError("the held-out split is empty; set data.eval_size > 0 (or data.eval_split).")
     model = load_policy(cfg, source, device, precision, trainable=False)
-    eos_ids, pad_id = eos_token_ids(tokenizer, model), tokenizer.pad_token_id
-    fast = tested_architecture(model)
-    pass_rule = "accuracy" if "accuracy" in [r.name for r in rewards] else "reward>0"
+    sampler = build_sampler(
+        s,
+        model,
+        eos_ids=eos_token_ids(tokenizer, model),
+        pad_id=tokenizer.pad_token_id,
+        precision=precision,
+        fast_decode=tested_architecture(model),
+    )
+    judge = correctness(rewards)
+    pass_rule = judge.name if judge else "reward>0"
     torch.manual_seed(t.seed)
 
     def run(group: int, greedy: bool, examples=examples):
         per_prompt_pass, lengths, totals, batch = [], [], [], max(1, 64 // group)
         for start in range(0, len(examples), batch):
             chunk = examples[start : start + batch]
-            with autocast(device, precision):
-                r = sample(
-                    model,
-                    [ex.prompt_ids for ex in chunk],
-                    eos_ids=eos_ids,
-                    pad_id=pad_id,
-                    **sampler_kwargs(s, num_generations=group, greedy=greedy, fast_decode=fast),
-                )
+            r = sampler.generate([ex.prompt_ids for ex in chunk], num_generations=group, greedy=greedy)
             _, total, per_reward = score_examples(rewards, tokenizer, chunk, r, group)
             lengths += r.lengths.tolist()
             totals += total
-            passed = passes(per_reward, total)
+            passed = passes(per_reward, total, judge.name if judge else None)
             for g in range(len(chunk)):
                 rew = total[g * group : (g + 1) * group]
                 per_prompt_pass.append((sum(passed[g * group : (g + 1) * group]), max(rew) - min(rew) < 1e-6))

@@ -9,7 +9,7 @@ never a traceback for bad input: Hydra's own composition errors (bad type, unkno
 option, an output folder that cannot be created) are caught here too and reworded.
 
 However a run ends, once it has metrics its curves are drawn (metrics.png). In a sweep
-(`grpo-train -m`) a failing job does not stop the others (grpo_cli/jobs.py); the sweep ends with
+(`grpo-train -m`) a failing job does not stop the others (grpo_cli/cli/sweep.py); the sweep ends with
 a summary and exits non-zero when a job failed.
 """
 
@@ -103,7 +103,7 @@ def _train(cfg: DictConfig) -> None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        # One job of a sweep: its failure is recorded and the next job runs (grpo_cli/jobs.py).
+        # One job of a sweep: its failure is recorded and the next job runs (grpo_cli/cli/sweep.py).
         _SWEEP.run_job(
             lambda: _run(cfg, run_dir, overrides, in_sweep=True),
             sweep_dir=Path(hydra_cfg.sweep.dir),

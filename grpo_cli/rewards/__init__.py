@@ -32,6 +32,7 @@ mean/std metrics. A sample for which *every* reward returns ``None`` raises
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -56,6 +57,7 @@ __all__ = [
     "as_reward_input",
     "build_rewards",
     "check_rewards",
+    "correctness",
     "completion_text",
     "resolve_reward",
     "passes",
@@ -82,9 +84,23 @@ _OPTION_CHECKS: dict[Callable[..., list], Callable[..., list[str]]] = {
     length.length: length.check_options,
 }
 
+#: What a reward is for. correctness: it says whether a completion is right (1.0 = right), so it
+#: drives eval/accuracy, the pass rule (pass@k, pass_rate_hist) and the check that the data has
+#: its answer column; at most one reward has it. shaping: any other (format, length, ...).
+#: A built-in declares its own (its module's ROLE); a function of yours may carry a `role`
+#: attribute, and `reward.<name>.role` sets it in YAML.
+ROLES = ("correctness", "shaping")
+_BUILTIN_ROLES: dict[Callable[..., list], str] = {
+    accuracy.accuracy: accuracy.ROLE,
+    format.format_reward: format.ROLE,
+    length.length: length.ROLE,
+}
+#: The gold-answer column a correctness reward reads unless it sets answer_column.
+DEFAULT_ANSWER_COLUMN = accuracy.Options().answer_column
+
 #: Keyword arguments the engine passes itself; options may not use these names.
 RESERVED_KWARGS = ("completions", "prompts", "completion_ids")
-_NODE_KEYS = ("weight", "fn")
+_NODE_KEYS = ("weight", "fn", "role")
 
 
 # --------------------------------------------------------------------------
@@ -183,12 +199,23 @@ def resolve_reward(name: str, fn: str | None = None) -> Callable:
 
 @dataclass
 class RewardSpec:
-    """One configured reward: its YAML name, function, weight and options."""
+    """One configured reward: its YAML name, function, weight, options and role (ROLES)."""
 
     name: str
     fn: Callable
     weight: float
     options: dict = field(default_factory=dict)
+    role: str = "shaping"
+
+    @property
+    def answer_column(self) -> str:
+        """The dataset column with the gold answers (a correctness reward's)."""
+        return self.options.get("answer_column", DEFAULT_ANSWER_COLUMN)
+
+
+def correctness(specs: Sequence[RewardSpec]) -> RewardSpec | None:
+    """The reward whose role is correctness, if one is configured."""
+    return next((spec for spec in specs if spec.role == "correctness"), None)
 
 
 def _plain(value: Any) -> Any:
@@ -230,6 +257,10 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
             continue
         if node is None:
             node = {}
+        if dataclasses.is_dataclass(
+            node
+        ):  # a built-in's typed node (config.reward_node), as to_typed gives it
+            node = {k: v for k, v in dataclasses.asdict(node).items() if v is not None or k not in _NODE_KEYS}
         if not isinstance(node, Mapping):
             problems.append(
                 f"{where}: expected a mapping with weight / fn / options, got {node!r} "
@@ -263,8 +294,17 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
             sig_problem = _signature_problem(fn)
             if sig_problem:
                 problems.append(f"{where}: fn={fn_path!r}: {sig_problem}")
-        if weight_ok:
-            specs.append(RewardSpec(name=name, fn=fn, weight=float(weight), options=options))
+        role = node.get("role") or getattr(fn, "role", None) or _BUILTIN_ROLES.get(fn, "shaping")
+        if role not in ROLES:
+            problems.append(f"{where}.role={role!r}: choose one of {', '.join(ROLES)}")
+        elif weight_ok:
+            specs.append(RewardSpec(name=name, fn=fn, weight=float(weight), options=options, role=role))
+    judges = [spec.name for spec in specs if spec.role == "correctness"]
+    if len(judges) > 1:
+        problems.append(
+            f"rewards {', '.join(judges)} all have role correctness, but one reward decides whether a "
+            f"completion is right (eval/accuracy, the pass rule): set reward.<name>.role=shaping on all but one"
+        )
     return specs, problems
 
 
@@ -465,10 +505,13 @@ def reward_metrics(per_reward: Mapping[str, Sequence[float | None]]) -> dict[str
     return metrics
 
 
-def passes(per_reward: Mapping[str, Sequence[float | None]], totals: Sequence[float]) -> list[bool]:
-    """Whether each completion passes: its accuracy reward is 1 when an accuracy reward is
-    configured, else its weighted total reward is > 0. The one pass rule of the training
-    metrics (pass_rate_hist) and grpo-eval (pass@1, pass@G, greedy accuracy)."""
-    if "accuracy" in per_reward:
-        return [v is not None and v >= 1.0 for v in per_reward["accuracy"]]
+def passes(
+    per_reward: Mapping[str, Sequence[float | None]], totals: Sequence[float], judge: str | None
+) -> list[bool]:
+    """Whether each completion passes: the correctness reward (its name: `judge`, see
+    `correctness`) is 1 when one is configured, else the weighted total reward is > 0. The one
+    pass rule of the training metrics (pass_rate_hist) and grpo-eval (pass@1, pass@G, greedy
+    accuracy)."""
+    if judge is not None and judge in per_reward:
+        return [v is not None and v >= 1.0 for v in per_reward[judge]]
     return [t > 0 for t in totals]

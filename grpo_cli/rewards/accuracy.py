@@ -52,8 +52,9 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional  # (Optional/List: OmegaConf reads Options' types)
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
@@ -70,7 +71,23 @@ from ._common import (
 )
 
 EXTRACT_MODES = ("auto", "boxed", "last_number", "answer_tag", "gsm8k")
-OPTIONS = ("answer_column", "extract", "strict", "timeout_s")
+
+
+@dataclass(frozen=True)
+class Options:
+    """accuracy's options (reward.accuracy.<option>): the one place their defaults live."""
+
+    answer_column: str = "answer"  # the dataset column holding each prompt's gold answer
+    extract: str = "auto"  # EXTRACT_MODES: how the completion's final answer is found
+    strict: bool = True  # several different final answers score 0 (ref 004 reward hacking)
+    timeout_s: Optional[int] = 5  # math-verify's per-call timeout (main thread only); null: none
+
+
+# correctness: this reward says whether a completion is right; it drives eval/accuracy, the pass
+# rule (pass@k, pass_rate_hist) and the check that the data has its answer column.
+ROLE = "correctness"
+OPTIONS = tuple(f.name for f in fields(Options))
+_D = Options()
 
 _LATEX = (LatexExtractionConfig(),)
 _EXPR = (ExprExtractionConfig(),)
@@ -83,12 +100,12 @@ def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[s
     problems: list[str] = []
     if unknown:
         check_unknown(problems, options, OPTIONS)
-    column = options.get("answer_column", "answer")
+    column = options.get("answer_column", _D.answer_column)
     if not isinstance(column, str) or not column:
         problems.append(f"option answer_column must be a column name, got {column!r}")
-    check_choice(problems, "extract", options.get("extract", "auto"), EXTRACT_MODES)
-    check_bool(problems, "strict", options.get("strict", True))
-    check_int(problems, "timeout_s", options.get("timeout_s", 5), minimum=1, allow_none=True)
+    check_choice(problems, "extract", options.get("extract", _D.extract), EXTRACT_MODES)
+    check_bool(problems, "strict", options.get("strict", _D.strict))
+    check_int(problems, "timeout_s", options.get("timeout_s", _D.timeout_s), minimum=1, allow_none=True)
     return problems
 
 
@@ -335,10 +352,10 @@ def accuracy(
     completions: list,
     answer: list | None = None,
     *,
-    answer_column: str = "answer",
-    extract: str = "auto",
-    strict: bool = True,
-    timeout_s: int | None = 5,
+    answer_column: str = _D.answer_column,
+    extract: str = _D.extract,
+    strict: bool = _D.strict,
+    timeout_s: int | None = _D.timeout_s,
     **kwargs: Any,
 ) -> list[float | None]:
     """1.0 if the completion's final answer equals the gold answer, else 0.0.

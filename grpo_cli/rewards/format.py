@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import Any
+from typing import Any, List, Optional  # (Optional/List: OmegaConf reads Options' types)
 
 from ._common import (
     check_bool,
@@ -41,7 +42,24 @@ from ._common import (
     raise_problems,
 )
 
-OPTIONS = ("max_chars", "min_chars", "pattern", "pattern_mode", "require_number", "required_tags", "value")
+
+@dataclass(frozen=True)
+class Options:
+    """format's options (reward.format.<option>): the one place their defaults live. The shipped
+    preset (conf/reward/format.yaml) sets the reference article's rule over them."""
+
+    max_chars: Optional[int] = None  # at most this many characters (stripped); null: no limit
+    min_chars: int = 1
+    pattern: Optional[str] = None  # a regex the (stripped) completion must match
+    pattern_mode: str = "fullmatch"  # PATTERN_MODES
+    require_number: bool = False  # the completion must hold a number
+    required_tags: Optional[List[str]] = None  # e.g. [think, answer]: each <tag>...</tag> in order
+    value: float = 1.0  # the reward of a completion that passes every check
+
+
+ROLE = "shaping"  # it shapes the output; it does not say whether an answer is right
+OPTIONS = tuple(f.name for f in fields(Options))
+_D = Options()
 PATTERN_MODES = ("fullmatch", "search")
 _TAG_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.:-]*")
 
@@ -57,7 +75,7 @@ def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[s
     if unknown:
         check_unknown(problems, options, OPTIONS)
     max_chars = options.get("max_chars")
-    min_chars = options.get("min_chars", 1)
+    min_chars = options.get("min_chars", _D.min_chars)
     check_int(problems, "max_chars", max_chars, minimum=0, allow_none=True)
     check_int(problems, "min_chars", min_chars, minimum=0)
     if (
@@ -77,8 +95,8 @@ def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[s
                 _compile(pattern)
             except re.error as exc:
                 problems.append(f"option pattern {pattern!r} is not a valid regex: {exc}")
-    check_choice(problems, "pattern_mode", options.get("pattern_mode", "fullmatch"), PATTERN_MODES)
-    check_bool(problems, "require_number", options.get("require_number", False))
+    check_choice(problems, "pattern_mode", options.get("pattern_mode", _D.pattern_mode), PATTERN_MODES)
+    check_bool(problems, "require_number", options.get("require_number", _D.require_number))
     tags = options.get("required_tags")
     if tags is not None:
         if isinstance(tags, str) or not isinstance(tags, Sequence) or not tags:
@@ -91,7 +109,7 @@ def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[s
                     )
             if len(set(map(str, tags))) != len(tags):
                 problems.append(f"option required_tags lists a tag twice: {list(tags)!r}")
-    check_real(problems, "value", options.get("value", 1.0))
+    check_real(problems, "value", options.get("value", _D.value))
     return problems
 
 
@@ -112,13 +130,13 @@ def _tags_ok(text: str, tags: Sequence[str]) -> bool:
 def format_reward(
     completions: list,
     *,
-    max_chars: int | None = None,
-    min_chars: int = 1,
-    pattern: str | None = None,
-    pattern_mode: str = "fullmatch",
-    require_number: bool = False,
-    required_tags: Sequence[str] | None = None,
-    value: float = 1.0,
+    max_chars: int | None = _D.max_chars,
+    min_chars: int = _D.min_chars,
+    pattern: str | None = _D.pattern,
+    pattern_mode: str = _D.pattern_mode,
+    require_number: bool = _D.require_number,
+    required_tags: Sequence[str] | None = _D.required_tags,
+    value: float = _D.value,
     **kwargs: Any,
 ) -> list[float]:
     """``value`` for each completion that passes every configured check, else 0.0."""

@@ -31,7 +31,8 @@ The result is multiplied by ``scale`` (default 1.0).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Optional  # (Optional/List: OmegaConf reads Options' types)
 
 from ._common import (
     RewardError,
@@ -44,9 +45,25 @@ from ._common import (
     raise_problems,
 )
 
-OPTIONS = ("target", "unit", "mode", "scale", "max_length", "soft_cache")
 UNITS = ("tokens", "chars")
 MODES = ("penalty", "reward", "dapo_overlong")
+
+
+@dataclass(frozen=True)
+class Options:
+    """length's options (reward.length.<option>): the one place their defaults live."""
+
+    target: Optional[float] = None  # the desired length in `unit` (penalty and reward modes need it)
+    unit: str = "tokens"  # UNITS
+    mode: str = "penalty"  # MODES
+    scale: float = 1.0
+    max_length: Optional[int] = None  # dapo_overlong: the hard limit
+    soft_cache: Optional[int] = None  # dapo_overlong: the soft zone's width before max_length
+
+
+ROLE = "shaping"
+OPTIONS = tuple(f.name for f in fields(Options))
+_D = Options()
 
 
 def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[str]:
@@ -54,10 +71,10 @@ def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[s
     problems: list[str] = []
     if unknown:
         check_unknown(problems, options, OPTIONS)
-    mode = options.get("mode", "penalty")
+    mode = options.get("mode", _D.mode)
     check_choice(problems, "mode", mode, MODES)
-    check_choice(problems, "unit", options.get("unit", "tokens"), UNITS)
-    check_real(problems, "scale", options.get("scale", 1.0))
+    check_choice(problems, "unit", options.get("unit", _D.unit), UNITS)
+    check_real(problems, "scale", options.get("scale", _D.scale))
     target = options.get("target")
     if target is None:
         if mode in ("penalty", "reward"):
@@ -92,12 +109,12 @@ def length(
     completions: list,
     completion_ids: list | None = None,
     *,
-    target: float | None = None,
-    unit: str = "tokens",
-    mode: str = "penalty",
-    scale: float = 1.0,
-    max_length: int | None = None,
-    soft_cache: int | None = None,
+    target: float | None = _D.target,
+    unit: str = _D.unit,
+    mode: str = _D.mode,
+    scale: float = _D.scale,
+    max_length: int | None = _D.max_length,
+    soft_cache: int | None = _D.soft_cache,
     **kwargs: Any,
 ) -> list[float]:
     """Reward or penalty for each completion's length relative to ``target``."""

@@ -1,0 +1,97 @@
+"""Typed config schemas (Hydra ConfigStore), their registration, and whole-config validation.
+
+The schemas type every group, so `loss.beta=abc` or a misspelt key fails while Hydra composes
+the config. They are also the one source of every default: the default option of each group
+(`conf/sampler/default.yaml`, `conf/loss/grpo.yaml`, ...) sets nothing the schema does not
+already say (a test composes both and compares every key), and the other presets set only what
+they change; the experiments (`conf/experiment/`, `grpo-train experiment=gsm8k`) are global presets
+that choose options of several groups. `validate(cfg)` checks values and combinations, and that no
+key is set that the chosen option ignores, and returns *every* problem at once, before any model
+or dataset is loaded. YAML keys equal the parameter names they feed.
+
+Importing this module registers the schema and the `grpo_run_id` resolver (idempotent), so every
+command and test that composes a config gets them from here, not from importing a command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import typing
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from grpo_cli.config.schema import (
+    AdapterConfig,
+    Config,
+    DataConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SamplerConfig,
+    TrainerConfig,
+)
+from grpo_cli.config.validation import choices, unused_settings, validate
+
+__all__ = [
+    "AdapterConfig",
+    "Config",
+    "DataConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "SamplerConfig",
+    "TrainerConfig",
+    "choices",
+    "register",
+    "to_typed",
+    "unused_settings",
+    "validate",
+]
+
+# One id per process: two runs started in the same second get different folders.
+RUN_ID = f"{os.getpid()}{secrets.token_hex(2)}"
+
+
+def reward_node(name: str, options: type) -> type:
+    """The typed config node of a built-in reward: weight, fn and role (rewards.ROLES; None: the
+    reward's own) and the reward's Options dataclass, the one place their defaults live."""
+    hints = typing.get_type_hints(options)
+    return dataclasses.make_dataclass(
+        f"{name.capitalize()}Reward",
+        [
+            ("weight", float, dataclasses.field(default=1.0)),
+            ("fn", Optional[str], dataclasses.field(default=None)),
+            ("role", Optional[str], dataclasses.field(default=None)),
+        ]
+        + [
+            (f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(options)
+        ],
+    )
+
+
+def register() -> None:
+    """Register the schema that conf/config.yaml extends (`defaults: [grpo_schema, ...]`), the
+    built-in rewards' typed nodes (`reward/<name>_schema`, which conf/reward/<name>.yaml extends:
+    a misspelt option or a wrong type fails while Hydra composes, and every option can be set
+    without a `+`), and the `grpo_run_id` resolver of the run folder names. Idempotent; done when
+    this module loads."""
+    from grpo_cli.rewards import accuracy, format, length  # noqa: A004 (the reward module)
+
+    store = ConfigStore.instance()
+    store.store(name="grpo_schema", node=Config)
+    for name, module in (("accuracy", accuracy), ("format", format), ("length", length)):
+        store.store(group="reward", name=f"{name}_schema", node={name: reward_node(name, module.Options)})
+    OmegaConf.register_new_resolver("grpo_run_id", lambda: RUN_ID, replace=True)
+
+
+register()
+
+
+def to_typed(cfg: Any) -> Config:
+    """The composed DictConfig as the schema's dataclasses (interpolations resolved): what the
+    engine and the builders read, by attribute name."""
+    return OmegaConf.to_object(cfg) if not isinstance(cfg, Config) else cfg

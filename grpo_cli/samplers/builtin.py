@@ -1,0 +1,340 @@
+"""The built-in sampler: a lean decode loop over the model's own KV cache (transformers'
+DynamicCache) instead of `generate`. The sampling distribution is exactly softmax(logits /
+temperature) with top-k then top-p truncation and nothing else (no warpers hidden in a model's
+generation_config); each sampled token's log-prob under the tempered distribution is recorded as
+it is drawn (no [N, C, V] buffer of logits); finished rows stop costing anything but a padded
+token. Tests check that greedy decoding matches `generate` token for token and that sampling
+draws the same tokens as `generate` under the same seed.
+
+BuiltinSampler wraps it as a samplers.Sampler and owns what only it needs: the weights gathered
+whole under FSDP2, eval mode while sampling, autocast, and the CPU decode linears
+(few_rows_linears). It samples from the policy itself, so its sync() has nothing to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from grpo_cli.distributed import full_weights
+from grpo_cli.logprobs import model_logits, position_ids_from_mask, prefill
+from grpo_cli.precision import Precision, autocast
+from grpo_cli.rollout import Rollout
+
+# Its declared tolerance of |trainer - sampler| log-prob over valid tokens, (mean, max), per
+# precision: the step-0 self-check's bounds (ref 000.8). The sampler decodes with a KV cache and
+# the trainer runs one forward, so only kernel order and rounding differ; the bugs the check
+# exists for (temperature, shift, padding) move the mean by tenths of a nat or more. Measured on
+# SmolLM2-135M (default recipe, 484 tokens): fp32 mean 8e-6, max 3e-5; bf16 autocast on the CPU
+# mean 0.027, max 0.21 (its logits are rounded to bf16). The tolerances leave 5-10x room over
+# those; fp16 (GPU only, not measured here) gets bf16's, although its mantissa has three more bits.
+TOLERANCE = {"fp32": (1e-4, 5e-4), "bf16": (0.1, 1.0), "bf16-autocast": (0.1, 1.0), "fp16": (0.1, 1.0)}
+
+
+class BuiltinSampler:
+    """samplers.Sampler over the policy itself (sampler.backend=builtin)."""
+
+    def __init__(
+        self, cfg, policy, *, eos_ids: list[int], pad_id: int, precision: Precision, fast_decode: bool
+    ):
+        self.cfg = cfg  # config.SamplerConfig
+        self.policy = policy
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+        self.precision = precision
+        self.fast_decode = fast_decode  # the tested architectures' W @ x^T decode linears (CPU)
+        self.tolerance = TOLERANCE[precision.name]
+        self._depth = 0  # open sampling() blocks (re-entrant)
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """Within the block the policy samples: eval mode, autocast, and under FSDP2 its weights
+        gathered whole (a collective: every rank enters, even one with nothing to sample)."""
+        if self._depth:
+            yield self
+            return
+        was_training = self.policy.training
+        device = next(self.policy.parameters()).device
+        self._depth += 1
+        try:
+            with full_weights(self.policy), autocast(device, self.precision):
+                self.policy.eval()
+                yield self
+        finally:
+            self._depth -= 1
+            self.policy.train(was_training)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        seeds: list[int] | None = None,
+        num_generations: int,
+        greedy: bool = False,
+        ignore_eos: bool = False,
+    ) -> Rollout:
+        s = self.cfg
+        with self.sampling():
+            return sample(
+                self.policy,
+                prompts,
+                num_generations=num_generations,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                eos_ids=[] if ignore_eos else self.eos_ids,
+                pad_id=self.pad_id,
+                greedy=greedy,
+                seeds=seeds,
+                fast_decode=self.fast_decode,
+            )
+
+    def sync(self, policy) -> None:
+        """Nothing to do: it samples from the policy's own weights."""
+
+    def close(self) -> None:
+        """Nothing to free: the policy is the trainer's."""
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then top-p (nucleus) truncation, in the order and with the tie rules of
+    transformers' TopKLogitsWarper and TopPLogitsWarper. logits: [N, V] already tempered."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)  # [N, V]
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False  # keep at least the most likely token
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    return logits
+
+
+def _few_rows_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear for a handful of rows on a CPU: W @ x^T instead of x @ W^T. Same numbers up to
+    float rounding; MKL runs this operand order several times faster when x has few rows (a
+    decode step: one token per sequence), e.g. 17 ms vs 68 ms for SmolLM2's 49k x 576 output
+    layer with 8 rows on a 2-core CPU. Not for bf16 weights: oneDNN's bf16 x @ W^T is the faster
+    order there (4.2 ms vs 5.5 ms for that layer, and no transposing copy)."""
+    rows = x.numel() // x.shape[-1]
+    if rows > 64 or x.device.type != "cpu" or self.weight.dtype == torch.bfloat16:
+        return F.linear(x, self.weight, self.bias)
+    xt = x.reshape(rows, x.shape[-1]).t()  # [in, rows]
+    # The bias goes into the same op (addmm), not added after mm: under bf16 autocast mm returns
+    # bf16 and bf16 + fp32 bias promotes to fp32, where F.linear returns bf16. addmm, like
+    # linear, is an autocast op: all three operands are cast alike, so the dtype matches F.linear.
+    if self.bias is None:
+        y = torch.mm(self.weight, xt)  # [out, rows]
+    else:
+        y = torch.addmm(self.bias[:, None], self.weight, xt)  # [out, rows]
+    return y.t().contiguous().view(*x.shape[:-1], y.shape[0])
+
+
+# Layer -> how many open few_rows_linears blocks use it. A layer is patched when its count goes
+# 0 -> 1 and unpatched when it goes back to 0: two samplers on one model (threads, nested
+# blocks, a block on a submodule) never unpatch layers the other still runs.
+_patch_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_patch_lock = threading.Lock()
+
+
+class few_rows_linears:
+    """Within the block, the model's plain nn.Linear layers use _few_rows_linear (an instance
+    attribute, removed when the last block using it exits: nothing outside the blocks or of
+    other models changes). Re-entrant and thread-safe."""
+
+    def __init__(self, model):
+        self.model = model
+        self._held: list[list[torch.nn.Linear]] = []  # per open block: the layers it counted
+
+    def __enter__(self):
+        with _patch_lock:
+            layers = [
+                m
+                for m in self.model.modules()
+                if type(m) is torch.nn.Linear and (m in _patch_counts or "forward" not in m.__dict__)
+            ]  # ours, or unpatched
+            for layer in layers:
+                count = _patch_counts.get(layer, 0)
+                if count == 0:
+                    layer.forward = _few_rows_linear.__get__(layer)
+                _patch_counts[layer] = count + 1
+            self._held.append(layers)
+        return self
+
+    def __exit__(self, *exc):
+        with _patch_lock:
+            for layer in self._held.pop():
+                _patch_counts[layer] -= 1
+                if _patch_counts[layer] == 0:
+                    del _patch_counts[layer]
+                    layer.__dict__.pop("forward", None)
+        return False
+
+
+# Rows per float64 CDF chunk on a CPU: ~6 MB, one buffer reused chunk after chunk. One
+# [64, 151936] float64 CDF would be 78 MB of freshly faulted pages, ~3x slower on a 2-core CPU.
+_CDF_CHUNK_BYTES = 6 << 20
+
+
+def sampling_cdf(probs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The CDF that draw searches: running sums of probs [N, V] in float64 (rows independently).
+
+    float32 is not enough: its running sum rounds each step to ~6e-8 of the mass so far, so the
+    masses it implies are ~1e-3 (total variation) off on a 152k vocabulary, and a token below
+    ~3e-8 after most of the mass adds nothing and can never be drawn. float64's ~1e-16 keeps
+    every implied mass within float rounding of probs / probs.sum().
+    """
+    if out is None:
+        out = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+    # Widen, then sum in place: faster on a CPU than cumsum(dtype=float64), which converts as it goes.
+    return torch.cumsum(out.copy_(probs.detach()), -1, out=out)  # [N, V]: no gradient through sampling
+
+
+def draw(
+    probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One token per row of probs [N, V], by inverting the CDF with one uniform per row.
+
+    Token i of a row is drawn with probability probs[i] / probs.sum() up to float64 rounding
+    (~1e-16 per token): the distribution torch.multinomial draws from (tested against generate's
+    sampler), at a fraction of its cost. multinomial draws an exponential variate for every
+    vocabulary entry (about 40 ms per step for 32 rows x 49k tokens on a 2-core CPU); this draws
+    one number per row and does a float64 cumsum and a binary search. Zero-probability tokens
+    are never drawn: the search returns the first index whose cumulative mass exceeds u * total.
+
+    u: optional uniforms in [0, 1), [N, 1] (else drawn from generator, float64).
+    """
+    N, V = probs.shape
+    if u is None:
+        u = torch.rand((N, 1), generator=generator, device=probs.device, dtype=torch.float64)
+    rows = min(N, max(1, _CDF_CHUNK_BYTES // (8 * V))) if probs.device.type == "cpu" else N
+    buf = torch.empty((rows, V), dtype=torch.float64, device=probs.device)
+    tokens = []
+    for p, uu in zip(probs.split(rows), u.split(rows)):  # [n, V], [n, 1]
+        cdf = sampling_cdf(p, out=buf[: p.shape[0]])  # [n, V]
+        total = cdf[:, -1:]  # [n, 1]
+        # u < 1, but u * total may round up to total; the largest double below total keeps the
+        # search inside the last token with mass (not a zero-probability token after it).
+        x = torch.minimum(uu.to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens.append(torch.searchsorted(cdf, x, right=True))  # [n, 1]
+    # The clamp only matters for an all-zero or NaN row (no valid token; multinomial would raise).
+    return torch.cat(tokens).clamp_(max=V - 1).squeeze(-1)  # [N]
+
+
+@torch.no_grad()
+def sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_ids: list[int],
+    pad_id: int,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    seeds: list[int] | None = None,
+    fast_decode: bool = True,
+) -> Rollout:
+    """`num_generations` completions of each prompt (token ids), rows grouped by prompt.
+    seeds: one per prompt; prompt b's completions draw from a CPU generator seeded seeds[b] (its
+    G uniforms per decode step), so they do not depend on which other prompts share the batch
+    (nor on the device, nor on how many processes share the step). Without seeds, `generator`
+    (default: torch's global one) draws for the whole batch.
+    fast_decode: the CPU decode steps' W @ x^T linear layers (off for an architecture not
+    tested here: the model's own layers run)."""
+
+    device = next(model.parameters()).device
+    unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
+    # Each prompt is prefilled once; its KV cache is then shared by its G completions.
+    cache, logits = prefill(model, unique_ids, unique_mask)  # [B, 1, V]
+    cache.batch_repeat_interleave(num_generations)
+    logits = logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
+    prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+    prompt_mask = unique_mask.repeat_interleave(num_generations, dim=0)
+    N = prompt_ids.shape[0]
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)  # may be empty
+
+    uniforms = None  # [max_new_tokens, N]: row n's uniform at each decode step
+    if seeds is not None and not greedy:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"sample: {len(seeds)} seeds for {len(prompts)} prompts")
+        uniforms = torch.cat(
+            [
+                torch.rand(
+                    (max_new_tokens, num_generations),
+                    generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64,
+                )
+                for seed in seeds
+            ],
+            dim=1,
+        ).to(device)
+
+    attention_mask = prompt_mask
+    position_ids = position_ids_from_mask(attention_mask)
+    tokens, logps = [], []
+    finished = torch.zeros(N, dtype=torch.bool, device=device)
+    with few_rows_linears(model) if fast_decode else contextlib.nullcontext():  # decode: one token per row
+        for step in range(max_new_tokens):
+            logits = logits.float() / temperature  # [N, V]
+            if greedy:
+                token = logits.argmax(-1)  # [N]
+            else:
+                u = None if uniforms is None else uniforms[step, :, None]  # [N, 1]
+                token = draw(filter_logits(logits, top_k, top_p).softmax(-1), generator, u)  # [N]
+            # Log-prob under the tempered, untruncated distribution: the one the trainer scores
+            # (logprobs.token_logprobs), so ratio == 1 before any update (ref 000.1, 000.4).
+            logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
+            token = token.masked_fill(finished, pad_id)
+            tokens.append(token)
+            logps.append(logp.masked_fill(finished, 0.0))
+            finished = finished | torch.isin(token, eos)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+            logits = model_logits(
+                model,
+                input_ids=token[:, None],
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )[:, -1, :]
+
+    completion_ids = torch.stack(tokens, dim=1)  # [N, C]
+    is_eos = torch.isin(completion_ids, eos)  # [N, C]
+    C = completion_ids.shape[1]
+    # Index of the first EOS (C when none): tokens up to and including it are the completion.
+    first_eos = torch.where(
+        is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long)
+    )
+    completion_mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long()
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids.masked_fill(completion_mask == 0, pad_id),
+        completion_mask=completion_mask,
+        truncated=~is_eos.any(-1),
+        sampler_logps=torch.stack(logps, dim=1) * completion_mask,
+    )
