@@ -251,53 +251,60 @@ class Parts:
     dist: Dist
 
 
-def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
-    """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
-    to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
-    resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
-    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
-    rewards = build_rewards(cfg.reward)
-    device = resolve_device(t.device)
-    if d.enabled and device.type == "cuda":  # one GPU per process
-        import torch
-
-        device = torch.device("cuda", d.local_rank)
-    precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
-    check_quantization(cfg.adapter.quantization, device)
-    resume_from = loaded = None
-    changed: list[str] = []
-    fsdp = d.enabled and t.distributed == "fsdp"
-    if fsdp and precision.use_grad_scaler:
+def _resume_state(cfg: Config, run_dir: Path, fsdp: bool):
+    """(the checkpoint to resume, its loaded training state, the settings that differ from it's),
+    all None/[] without trainer.resume; refuses a checkpoint of the other distributed mode."""
+    if not cfg.trainer.resume:
+        return None, None, []
+    resume_from = ckpt.find_resume_checkpoint(cfg.trainer.resume, run_dir)
+    if ckpt.is_sharded_checkpoint(resume_from) != fsdp:
+        written, now = ("fsdp", "ddp") if not fsdp else ("ddp (or one process)", "fsdp")
         raise UserError(
-            f"trainer.distributed=fsdp with trainer.precision={precision.name} needs a sharded grad "
-            "scaler, which grpo-cli does not run; use trainer.precision=bf16 (or fp32), or "
-            "trainer.distributed=ddp."
+            f"checkpoint {resume_from} was written with trainer.distributed={written}, and this run uses "
+            f"{now}: their optimizer states are stored differently (FSDP's sharded over the processes). "
+            f"Resume it with trainer.distributed={written.split()[0]}"
+            + (" and trainer.num_processes >= 2" if not fsdp else "")
+            + ", or start a new run from its weights (model.name_or_path=<the checkpoint folder>)."
         )
-    if t.resume:
-        resume_from = ckpt.find_resume_checkpoint(t.resume, run_dir)
-        if ckpt.is_sharded_checkpoint(resume_from) != fsdp:
-            written, now = ("fsdp", "ddp") if not fsdp else ("ddp (or one process)", "fsdp")
-            raise UserError(
-                f"checkpoint {resume_from} was written with trainer.distributed={written}, and this run uses "
-                f"{now}: their optimizer states are stored differently (FSDP's sharded over the processes). "
-                f"Resume it with trainer.distributed={written.split()[0]}"
-                + (" and trainer.num_processes >= 2" if not fsdp else "")
-                + ", or start a new run from its weights (model.name_or_path=<the checkpoint folder>)."
-            )
-        changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
-        loaded = ckpt.load_training_state(resume_from)
-    train_rows, eval_rows = read_data(cfg)
-    wide_rows = read_wide_eval(cfg)
-    check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
-    seed_everything(t.seed)
+    changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    return resume_from, ckpt.load_training_state(resume_from), changed
 
-    source, tokenizer = build_tokenizer(cfg, console.print)
-    console.print(
-        f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
+
+def _optimizer_step(cfg: Config, policy, masters, device, precision: Precision, state, total_steps: int, d):
+    """AdamW over the trainable weights (bf16: their fp32 masters) and its schedule, fp16's grad
+    scaler (its state restored on resume), as one optim.OptimizerStep."""
+    import torch
+
+    o = cfg.optimizer
+    optimizer, scheduler = build_optimizer(
+        masters.params if masters else policy.parameters(),  # the trainable ones (adapters': theirs)
+        learning_rate=o.learning_rate,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_epsilon=o.adam_epsilon,
+        lr_scheduler=o.lr_scheduler,
+        warmup_steps=o.warmup_steps,
+        total_updates=total_steps * cfg.trainer.num_iterations,
     )
-    data = build_data(cfg, (train_rows, eval_rows), tokenizer)
-    wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)
-    console.print(
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    if scaler is not None and state.grad_scaler:
+        scaler.load_state_dict(state.grad_scaler)
+    return OptimizerStep(
+        optimizer,
+        scheduler,
+        policy=policy,
+        masters=masters,
+        grad_scaler=scaler,
+        max_grad_norm=o.max_grad_norm,
+        dist=d,
+    )
+
+
+def _data_summary(cfg: Config, data, wide_eval) -> str:
+    """The run's data line: prompts for training and held out, the wide set, what was dropped."""
+    s = cfg.sampler
+    return (
         f"data: {len(data.train)} training prompts, {len(data.eval)} held-out"
         + (
             f" and {len(wide_eval)} wide held-out (operands up to {cfg.data.wide_eval_max_operand})"
@@ -314,6 +321,41 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         )
         + (f"; {data.truncated} truncated on the left" if data.truncated else "")
     )
+
+
+def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
+    """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
+    to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
+    resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
+    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
+    rewards = build_rewards(cfg.reward)
+    device = resolve_device(t.device)
+    if d.enabled and device.type == "cuda":  # one GPU per process
+        import torch
+
+        device = torch.device("cuda", d.local_rank)
+    precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
+    check_quantization(cfg.adapter.quantization, device)
+    fsdp = d.enabled and t.distributed == "fsdp"
+    if fsdp and precision.use_grad_scaler:
+        raise UserError(
+            f"trainer.distributed=fsdp with trainer.precision={precision.name} needs a sharded grad "
+            "scaler, which grpo-cli does not run; use trainer.precision=bf16 (or fp32), or "
+            "trainer.distributed=ddp."
+        )
+    resume_from, loaded, changed = _resume_state(cfg, run_dir, fsdp)
+    train_rows, eval_rows = read_data(cfg)
+    wide_rows = read_wide_eval(cfg)
+    check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
+    seed_everything(t.seed)
+
+    source, tokenizer = build_tokenizer(cfg, console.print)
+    console.print(
+        f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
+    )
+    data = build_data(cfg, (train_rows, eval_rows), tokenizer)
+    wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)
+    console.print(_data_summary(cfg, data, wide_eval))
 
     steps_per_epoch = math.ceil(len(data.train) / t.prompts_per_step)
     total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
@@ -360,18 +402,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         if fsdp and ref is not policy:
             shard_model(ref)
 
-    o = cfg.optimizer
-    optimizer, scheduler = build_optimizer(
-        masters.params if masters else policy.parameters(),  # the trainable ones (adapters': theirs)
-        learning_rate=o.learning_rate,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_epsilon=o.adam_epsilon,
-        lr_scheduler=o.lr_scheduler,
-        warmup_steps=o.warmup_steps,
-        total_updates=total_steps * t.num_iterations,
-    )
+    opt_step = _optimizer_step(cfg, policy, masters, device, precision, state, total_steps, d)
+    optimizer, scheduler = opt_step.optimizer, opt_step.scheduler
     stream = PromptStream(data.train, seed=t.seed)
     if loaded:
         try:
@@ -407,20 +439,6 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             "(no shared-prompt KV cache, no decode-time W @ x^T layers), and the step-0 self-check checks its "
             "log-probs."
         )
-    import torch
-
-    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
-    if scaler is not None and state.grad_scaler:
-        scaler.load_state_dict(state.grad_scaler)
-    opt_step = OptimizerStep(
-        optimizer,
-        scheduler,
-        policy=policy,
-        masters=masters,
-        grad_scaler=scaler,
-        max_grad_norm=cfg.optimizer.max_grad_norm,
-        dist=d,
-    )
     sampler = build_sampler(
         s,
         policy,

@@ -543,6 +543,25 @@ def grpo_loss(
         loss = per_token_loss.sum() / (seqs * float(max(int(max_new_tokens), 1)))  # []
 
     # ---- stats (detached; means over the tokens entering the loss in this call)
+    stats = _loss_stats(ratio, adv, kl, valid, zero_std_flags, eps_low, eps_high, num_generations, cdtype)
+    return loss, stats
+
+
+def _loss_stats(
+    ratio: Tensor,
+    adv: Tensor,
+    kl: Tensor,
+    valid: Tensor,
+    zero_std_flags: Tensor | None,
+    eps_low: float,
+    eps_high: float,
+    num_generations: int | None,
+    cdtype: torch.dtype,
+) -> dict[str, Tensor]:
+    """grpo_loss's detached stats: ratio [B, T], adv [B, 1], kl [B, T], valid [B, T] bool; means
+    over the valid tokens (0 when there are none), in the compute dtype `cdtype`."""
+    batch, device = ratio.shape[0], ratio.device
+    validf = valid.to(cdtype)  # [B, T]
     with torch.no_grad():
         n_valid = validf.sum()  # []
         denom = n_valid.clamp(min=1.0)  # []
@@ -571,4 +590,4 @@ def grpo_loss(
         }
         if num_generations is not None:
             stats["num_zero_std_groups"] = n_zero_rows / float(num_generations)
-    return loss, stats
+    return stats

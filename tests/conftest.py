@@ -14,6 +14,22 @@ BIN = Path(sys.executable).parent
 TESTS = ROOT / "tests"
 
 
+# The tiny model's overrides that every tiny-model run of the suite starts from: the built-in
+# 0.2M-parameter Llama (models.build_tiny), 64 arithmetic prompts, 4 completions of up to 8 tokens.
+TINY_BASE = [
+    "model=tiny",
+    "data.num_examples=64",
+    "sampler.num_generations=4",
+    "sampler.max_new_tokens=8",
+    "trainer.quiet=true",
+]
+
+
+def tiny(*overrides: str) -> list[str]:
+    """TINY_BASE and a test file's own overrides (a later value of the same key wins)."""
+    return [*TINY_BASE, *overrides]
+
+
 def console_script(name: str) -> str:
     """The installed console script next to this interpreter (what a user runs)."""
     path = BIN / name

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from conftest import tiny
 from safetensors.torch import load_file
 
 from grpo_cli.cli.train import train_config as run
@@ -21,19 +22,14 @@ pytestmark = [
     pytest.mark.skipif(CUDA and not torch.cuda.is_available(), reason="GRPO_TEST_DEVICE=cuda, no GPU here"),
 ]
 
-TINY = [
-    "model=tiny",
-    "data.num_examples=64",
+TINY = tiny(
     "data.eval_size=0",
-    "sampler.num_generations=4",
-    "sampler.max_new_tokens=8",
-    "trainer.quiet=true",
     "trainer.eval_before=false",
     "trainer.prompts_per_step=2",
     "reward=[]",
     "+reward.code.fn=reward_fixtures:char_code",
     f"trainer.device={DEVICE}",
-]
+)
 
 
 def rows(run_dir):

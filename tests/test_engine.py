@@ -7,18 +7,13 @@ import math
 
 import pytest
 import torch
-from conftest import console_script, run_cli
+from conftest import console_script, run_cli, tiny
 
 from grpo_cli.cli.train import train_config as run
 
-TINY = [
-    "model=tiny",
-    "data.num_examples=64",
+TINY = tiny(
     "data.eval_size=8",
-    "sampler.num_generations=4",
-    "sampler.max_new_tokens=8",
-    "trainer.quiet=true",
-]
+)
 
 
 def read_metrics(run_dir, training_only=True):

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, console_script, run_cli
+from conftest import ROOT, console_script, run_cli, tiny
 
 DATA = ROOT / "tests" / "data"
 TIMINGS = ("step_time", "tokens_per_second")
@@ -45,12 +45,8 @@ def run_golden(args: list[str], tmp_path, timeout: float = 600):
     return metrics_without_timings(tmp_path / "run" / "metrics.jsonl")
 
 
-TINY = [
-    "model=tiny",
-    "data.num_examples=64",
+TINY = tiny(
     "data.eval_size=8",
-    "sampler.num_generations=4",
-    "sampler.max_new_tokens=8",
     "trainer.max_steps=3",
     "trainer.prompts_per_step=2",
     "trainer.gradient_accumulation_steps=2",
@@ -59,10 +55,13 @@ TINY = [
     "optimizer.learning_rate=1e-3",
     "trainer.save_steps=2",
     "trainer.seed=7",
-]
+)
 
 
 RECORDED_WITH = {"transformers": "4.57.6", "torch": "2.13.0+cpu", "avx512f": True}
+# Checked to give the same numbers bit for bit (issue #28): torch 2.11 (PyPI's CUDA build, on the
+# CPU), the oldest of the declared range, which CI's oldest-versions leg runs.
+SAME_NUMBERS = [RECORDED_WITH, {**RECORDED_WITH, "torch": "2.11.0+cu130"}]
 
 
 def _avx512() -> bool:
@@ -82,7 +81,7 @@ def same_versions():
     import transformers
 
     installed = {"transformers": transformers.__version__, "torch": torch.__version__, "avx512f": _avx512()}
-    if installed != RECORDED_WITH:
+    if installed not in SAME_NUMBERS:
         pytest.skip(f"recorded with {RECORDED_WITH}, running {installed}")
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import tiny
 
 from grpo_cli.cli.train import train_config as run
 from grpo_cli.health import HealthMonitor
@@ -103,16 +104,12 @@ def test_the_default_recipes_real_run_warns_of_its_entropy_collapse_only():
 
 
 SIGNAL = ["reward=[]", "+reward.code.fn=reward_fixtures:char_code"]  # rewards that differ in every group
-TINY = [
-    "model=tiny",
-    "data.num_examples=64",
+TINY = tiny(
     "data.eval_size=0",
-    "sampler.num_generations=4",
     "sampler.max_new_tokens=4",
-    "trainer.quiet=true",
     "trainer.precision=fp32",
     "loss.beta=0",
-]
+)
 
 
 @pytest.mark.parametrize(

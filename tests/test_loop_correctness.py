@@ -8,21 +8,17 @@ import json
 import pytest
 import reward_fixtures
 import torch
+from conftest import tiny
 from safetensors.torch import load_file
 
 from grpo_cli import step
 from grpo_cli.cli.train import train_config as run
 from grpo_cli.samplers import builtin
 
-TINY = [
-    "model=tiny",
-    "data.num_examples=64",
+TINY = tiny(
     "data.eval_size=0",
-    "sampler.num_generations=4",
-    "sampler.max_new_tokens=8",
-    "trainer.quiet=true",
     "trainer.eval_before=false",
-]
+)
 LENGTH = ["reward=[length]", "reward.length.unit=chars", "reward.length.target=4"]
 
 

@@ -8,20 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import console_script, run_cli
+from conftest import console_script, run_cli, tiny
 
 from grpo_cli.cli.train import train_config as run
 
-TINY = [
-    "model=tiny",
-    "data.num_examples=64",
+TINY = tiny(
     "data.eval_size=8",
-    "sampler.num_generations=4",
-    "sampler.max_new_tokens=8",
-    "trainer.quiet=true",
     "trainer.prompts_per_step=2",
     "trainer.precision=fp32",  # (exact comparisons; the bf16 tests say so)
-]
+)
 # A reward with spread in every group (the tiny model's arithmetic accuracy is 0), a learning rate
 # that moves LoRA's weights in a few steps.
 SIGNAL = ["reward=[]", "+reward.code.fn=reward_fixtures:char_code", "optimizer.learning_rate=1e-2"]

@@ -8,24 +8,20 @@ import json
 
 import pytest
 import torch
+from conftest import tiny
 from safetensors.torch import load_file
 
 from grpo_cli.cli.train import train_config as run
 from grpo_cli.errors import UserError
 from grpo_cli.precision import MasterWeights, resolve_precision
 
-TINY = [
-    "model=tiny",
-    "data.num_examples=64",
+TINY = tiny(
     "data.eval_size=0",
-    "sampler.num_generations=4",
-    "sampler.max_new_tokens=8",
-    "trainer.quiet=true",
     "trainer.eval_before=false",
     "trainer.prompts_per_step=2",
     "reward=[]",
     "+reward.code.fn=reward_fixtures:char_code",  # (varied: every group has signal)
-]
+)
 
 
 def _parts(compose, tmp_path, overrides):
