@@ -275,16 +275,9 @@ def _optimizer_step(cfg: Config, policy, masters, device, precision: Precision, 
     scaler (its state restored on resume), as one optim.OptimizerStep."""
     import torch
 
-    o = cfg.optimizer
     optimizer, scheduler = build_optimizer(
         masters.params if masters else policy.parameters(),  # the trainable ones (adapters': theirs)
-        learning_rate=o.learning_rate,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_epsilon=o.adam_epsilon,
-        lr_scheduler=o.lr_scheduler,
-        warmup_steps=o.warmup_steps,
+        cfg.optimizer,
         total_updates=total_steps * cfg.trainer.num_iterations,
     )
     scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
@@ -296,7 +289,7 @@ def _optimizer_step(cfg: Config, policy, masters, device, precision: Precision, 
         policy=policy,
         masters=masters,
         grad_scaler=scaler,
-        max_grad_norm=o.max_grad_norm,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
         dist=d,
     )
 

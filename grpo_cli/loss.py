@@ -74,13 +74,30 @@ the full-batch loss and gradient. Nothing here assumes a batch size.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # a plain dataclass, read by attribute: no Hydra here
-    from grpo_cli.config.schema import LossConfig
+
+class LossConfig(Protocol):
+    """What the math reads of the loss section (config.schema.LossConfig, a plain dataclass): the
+    options by attribute, nothing of Hydra or of the rest of the config."""
+
+    beta: float
+    epsilon: float
+    epsilon_high: float | None
+    delta: float | None
+    loss_type: str
+    kl_estimator: str
+    importance_sampling_level: str
+    scale_rewards: str
+    std: str
+    estimator: str
+    eps: float
+    zero_std: str
+    zero_std_threshold: float
+
 
 __all__ = [
     "group_advantages",

@@ -8,20 +8,10 @@ OPTIMIZERS = ("adamw",)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
-def build_optimizer(
-    params,
-    *,
-    learning_rate: float,
-    weight_decay: float,
-    adam_beta1: float,
-    adam_beta2: float,
-    adam_epsilon: float,
-    lr_scheduler: str,
-    warmup_steps: int,
-    total_updates: int,
-):
+def build_optimizer(params, cfg, *, total_updates: int):
     """AdamW over `params` (the trainable parameters) and its schedule (transformers' schedulers,
-    stepped once per applied update)."""
+    stepped once per applied update), from the optimizer section `cfg` (config.OptimizerConfig,
+    read by attribute)."""
     import torch
     from transformers import get_scheduler
 
@@ -34,14 +24,14 @@ def build_optimizer(
     )
     optimizer = torch.optim.AdamW(
         params,
-        lr=learning_rate,
-        betas=(adam_beta1, adam_beta2),
-        eps=adam_epsilon,
-        weight_decay=weight_decay,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay,
         fused=fused or None,
     )
     scheduler = get_scheduler(
-        lr_scheduler, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_updates
+        cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_updates
     )
     return optimizer, scheduler
 

@@ -158,16 +158,23 @@ def test_truncated_completions_are_masked_when_asked(compose, tmp_path, mask_tru
 def test_optimizer_is_fused_adamw_with_the_plain_update():
     """build_optimizer uses the fused AdamW kernel (fast on CPU); its update equals the plain
     single-tensor AdamW's, scheduler included."""
+    from grpo_cli.config import OptimizerConfig
     from grpo_cli.optim import build_optimizer
 
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     start = models[0][0].weight.detach().clone()
-    kw = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8)
-    ours, sched = build_optimizer(
-        models[0].parameters(), lr_scheduler="linear", warmup_steps=1, total_updates=5, **kw
+    cfg = OptimizerConfig(
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        adam_epsilon=1e-8,
+        lr_scheduler="linear",
+        warmup_steps=1,
     )
+    ours, sched = build_optimizer(models[0].parameters(), cfg, total_updates=5)
     assert ours.defaults["fused"]
     plain = torch.optim.AdamW(
         models[1].parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, foreach=False
