@@ -115,7 +115,7 @@ if [ "$mode" = cuda ]; then
   device=cuda precision=bf16 train_steps=4 eval_size=50
   bench=(--device cuda --steps 1 --warmup 1 --rounds 1 --variants "grpo-cli bf16,TRL bf16 tuned")
   alone=(--device cuda --steps 1 --warmup 1 --rounds 1 --variants "grpo-cli bf16,grpo-cli fp32")
-  limits=(150 120 120 60 240)  # tests, bf16 run, fp16 + NCCL, check-env, benchmark: 690 s at most
+  limits=(90 80 70 30 180)  # tests, bf16 run, fp16 (and NCCL), check-env, benchmark: 8 min with the rest
 else
   device=cpu precision=bf16 train_steps=2 eval_size=20
   bench=(--device cpu --cases 1:0.04:1 --steps 1 --variants "grpo-cli fp32,grpo-cli bf16,TRL bf16 tuned")
