@@ -41,7 +41,8 @@ _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=None) -> dict[str, Any]:
     """Train from parts.state.step to parts.total_steps; return the last metrics row. `on_start()`
-    runs right before the first step (grpo-train writes the run record there)."""
+    runs right before the first step (grpo-train writes the run record there). The sampler is
+    closed at the end, however the run ends (a sweep's next job starts with its memory free)."""
     try:
         return _train(cfg, parts, run_dir, config_yaml, on_start)
     except Interrupted as exc:  # a second signal: the step in progress (or the save) is abandoned
@@ -71,6 +72,8 @@ def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=N
                 else "."
             )
         ) from exc
+    finally:
+        parts.sampler.close()
 
 
 def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start) -> dict[str, Any]:

@@ -141,6 +141,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         else:
             result["advice"] = f"pass rate {rate:.0%} is inside 10%-90%: GRPO should get a learning signal."
     result["seconds"] = time.perf_counter() - t0
+    sampler.close()
     return result
 
 
