@@ -871,9 +871,9 @@ def test_non_finite_weights_are_never_saved(compose, tmp_path, monkeypatch, one_
 
     original = build.build_optimizer
 
-    def build_optimizer(params, **kw):
+    def build_optimizer(params, *a, **kw):
         params = list(params)
-        optimizer, scheduler = original(params, **kw)
+        optimizer, scheduler = original(params, *a, **kw)
         updates = {"n": 0}
 
         def blow_up(opt, args, kwargs):  # step 3's update overflows the weights
