@@ -439,6 +439,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         pad_id=tokenizer.pad_token_id,
         precision=precision,
         fast_decode=fast_paths,
+        seed=t.seed,
     )
     return Parts(
         policy=policy,

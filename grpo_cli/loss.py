@@ -123,7 +123,7 @@ IS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ZERO_STD_MODES = ("mask", "weight", "keep")
-SAMPLER_CORRECTIONS = ("none", "tis")  # tis: truncated_importance_weights
+SAMPLER_CORRECTIONS = ("auto", "none", "tis")  # tis: truncated_importance_weights; auto: config.schema
 # zero_std="weight" (ref 002 option 2): the KL term of a row is weighted by
 # sigmoid((group std - floor) / width): ~0 without reward spread, ~1 above the floor.
 ZERO_STD_FLOOR = 0.05

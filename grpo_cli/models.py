@@ -373,14 +373,17 @@ def char_tokenizer(vocab_size: int | None = None):
     return tok
 
 
-def build_tiny(folder: Path | None = None) -> Path:
-    """A ~0.2M-parameter Llama with a character-level tokenizer, built offline and cached."""
+def build_tiny(folder: Path | None = None, *, heads: int = 4) -> Path:
+    """A ~0.2M-parameter Llama with a character-level tokenizer, built offline and cached.
+    heads: attention heads over its width of 64 (4: head_dim 16; 2: head_dim 32, the narrowest
+    vLLM's CPU attention runs, builtin:tiny32)."""
     # One folder per transformers major version: the tokenizer files transformers 5 saves name a
     # class (TokenizersBackend) that 4.x cannot load, so a cache shared by both breaks one of them.
     import transformers
 
     major = transformers.__version__.split(".")[0]
-    folder = folder or cache_dir() / f"tiny-{TINY_VERSION}-transformers{major}"
+    name = "tiny" if heads == 4 else f"tiny{64 // heads}"
+    folder = folder or cache_dir() / f"{name}-{TINY_VERSION}-transformers{major}"
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
         return folder
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -392,8 +395,8 @@ def build_tiny(folder: Path | None = None) -> Path:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=512,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -416,4 +419,4 @@ def build_tiny(folder: Path | None = None) -> Path:
     return folder
 
 
-BUILTINS = {"tiny": build_tiny}
+BUILTINS = {"tiny": build_tiny, "tiny32": lambda folder=None: build_tiny(folder, heads=2)}

@@ -44,7 +44,9 @@ def install(spec: str) -> None:
     `kill_before_state:K`: SIGKILL inside the step-K write, before trainer_state.pt is written.
     `kill_before_rename:K`: SIGKILL inside the step-K write, before the temporary folder is renamed.
     `kill_during_rotate:K`: SIGKILL half-way through deleting an old checkpoint after saving step K.
-    `nan_loss_from:K`: the loss is NaN from step K on (one loss call per step)."""
+    `nan_loss_from:K`: the loss is NaN from step K on (one loss call per step).
+    `no_sampler_sync`: sampler=vllm's engine gets the policy's weights once, at its start, and
+    never again (a weight sync that silently does nothing)."""
     import shutil
 
     import torch
@@ -53,6 +55,18 @@ def install(spec: str) -> None:
     from grpo_cli import step as train_step
 
     kind, _, arg = spec.partition(":")
+    if kind == "no_sampler_sync":
+        from grpo_cli.samplers import vllm
+
+        original_sync, calls = vllm.VLLMSampler.sync, {"n": 0}
+
+        def sync(self, policy):
+            calls["n"] += 1
+            if calls["n"] == 1:  # the engine's start
+                original_sync(self, policy)
+
+        vllm.VLLMSampler.sync = sync
+        return
     if kind == "signal_during_build":
         original_load_tokenizer = build.load_tokenizer
 

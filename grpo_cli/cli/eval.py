@@ -67,6 +67,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         pad_id=tokenizer.pad_token_id,
         precision=precision,
         fast_decode=tested_architecture(model),
+        seed=t.seed,
     )
     judge = correctness(rewards)
     pass_rule = judge.name if judge else "reward>0"

@@ -147,6 +147,8 @@ def train_config(cfg: DictConfig, run_dir: Path, on_start=None, d: distributed.D
             raise error
     if parts is None:
         return {}
+    # The saved config says what ran (and what a resume compares with): auto resolved (to_typed).
+    cfg.loss.sampler_correction = typed.loss.sampler_correction
     return train(typed, parts, run_dir, OmegaConf.to_yaml(cfg, resolve=True), on_start=on_start)
 
 

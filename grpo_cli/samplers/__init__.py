@@ -3,9 +3,10 @@ interface. `sampler.backend` chooses the implementation, once, in build_sampler;
 grpo-train's evaluation and grpo-eval all sample through it.
 
     builtin   the exact decode loop over the policy itself (samplers/builtin.py)
+    vllm      a colocated vLLM engine, its weights synced after every update (samplers/vllm.py)
 
-A second backend (an inference engine such as vLLM) is one new module here, a name in BACKENDS
-and a branch in build_sampler, and a preset in conf/sampler/.
+A backend is one module here, a name in BACKENDS, a branch in build_sampler, its keys in
+config.SamplerConfig (rejected under the other backends) and a preset in conf/sampler/.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # (config validation imports BACKENDS before torch is imported)
     from grpo_cli.rollout import Rollout
 
-BACKENDS = ("builtin",)
+BACKENDS = ("builtin", "vllm")
 
 
 class Sampler(Protocol):
@@ -52,8 +53,14 @@ class Sampler(Protocol):
         """Free what the sampler holds (at the end of a run, and of each sweep job)."""
 
 
-def build_sampler(cfg, policy, *, eos_ids: list[int], pad_id: int, precision, fast_decode: bool) -> Sampler:
+def build_sampler(
+    cfg, policy, *, eos_ids: list[int], pad_id: int, precision, fast_decode: bool, seed: int
+) -> Sampler:
     """The sampler that cfg.backend names (config.SamplerConfig; validation rejects other names)."""
+    if cfg.backend == "vllm":
+        from grpo_cli.samplers.vllm import VLLMSampler
+
+        return VLLMSampler(cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, seed=seed)
     if cfg.backend == "builtin":
         from grpo_cli.samplers.builtin import BuiltinSampler
 
