@@ -25,6 +25,8 @@
 #    SmolLM2- and Qwen2.5-0.5B-shaped models, bf16; CPU: one 1-prompt step of each variant (a smoke
 #    run, not a measurement). Where TRL cannot be had, grpo-cli's rows alone, said so.
 #                                                                     -> OUT/bench.log, OUT/bench.json
+# 6. a short sampler=vllm run where vLLM can be imported; otherwise one line saying it is skipped
+#                                                                     -> OUT/more.log
 # OUT/summary.json: each part's status, seconds and note, and the machine; the table is printed
 # too. At most 8 files under OUT (what the lent machine sends back). Exit 1 if any part failed.
 set -uo pipefail
@@ -199,6 +201,18 @@ else
   failed=$before  # (not a failure of grpo-cli)
   step "benchmark, grpo-cli alone ($device)" "${limits[4]}" "$out/bench.log" "${py[@]}" scripts/bench_vs_trl.py \
     "${alone[@]}" "${bench_models[@]}" --trl-bf16-cases none --json "$out/bench.json"
+fi
+
+# 6. sampler=vllm, wherever vLLM can be imported (the lent GPU machine has none, and its wheels are
+#    far too large to carry: there this is one line saying so)
+if "${py[@]}" -c "import vllm" >/dev/null 2>&1; then
+  step "sampler=vllm run, $train_steps steps (step-0 self-check)" 300 "$work/vllm.log" grpo-train "${recipe[@]}" \
+    sampler=vllm "trainer.precision=$precision" "trainer.device=$device" "trainer.max_steps=$train_steps" \
+    "trainer.save_steps=$train_steps" trainer.eval_before=false "data.eval_size=$eval_size" "hydra.run.dir=$work/vllm" &&
+    { grep -q "self-check ok" "$work/vllm.log" || { record FAILED "sampler=vllm self-check" 0 "no 'self-check ok' line"; failed=1; }; }
+  cat "$work/vllm.log" >>"$out/more.log"
+else
+  note "sampler=vllm: skipped" "vLLM cannot be imported here (its wheels are too large to carry)"
 fi
 
 # The summary: every part, and the machine.

