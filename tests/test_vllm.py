@@ -168,14 +168,22 @@ def test_sync_pushes_updated_weights_in_place(policy, engine):
         engine.sync(policy)
 
 
-def test_close_frees_the_engine(policy):
+def test_close_frees_the_engine(policy, monkeypatch):
     """close() drops every reference to the engine (a sweep job's engine does not outlive it),
-    and a new engine starts in the same process after it."""
+    and a new engine starts in the same process after it. Starting one leaves the trainer's torch
+    threads as they were (vLLM sets 1 "for serving" without OMP_NUM_THREADS, and makes
+    torch.set_num_threads a no-op)."""
     from grpo_cli.config.schema import SamplerConfig
     from grpo_cli.samplers.vllm import VLLMSampler
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     cfg = SamplerConfig(backend="vllm", max_new_tokens=4, kv_cache_gib=0.25)
     sampler = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
     ref = weakref.ref(sampler.llm)
     sampler.close()
     gc.collect()

@@ -241,7 +241,11 @@ def _validate_vllm(cfg: Any, world_size: int) -> list[str]:
             "sampler)."
         )
     if world_size > 1:
-        shown = f"trainer.num_processes={tr.num_processes}" if tr.num_processes > 1 else f"WORLD_SIZE={world_size}"
+        shown = (
+            f"trainer.num_processes={tr.num_processes}"
+            if tr.num_processes > 1
+            else f"WORLD_SIZE={world_size}"
+        )
         problems.append(
             f"sampler.backend=vllm runs one engine in the trainer's process, and this run has {world_size} "
             f"processes ({shown}): several processes (one engine per rank through vLLM's external launcher) are not "

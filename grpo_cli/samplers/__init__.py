@@ -54,9 +54,10 @@ class Sampler(Protocol):
 
 
 def build_sampler(
-    cfg, policy, *, eos_ids: list[int], pad_id: int, precision, fast_decode: bool, seed: int
+    cfg, policy, *, eos_ids: list[int], pad_id: int, precision, fast_decode: bool, seed: int = 0
 ) -> Sampler:
-    """The sampler that cfg.backend names (config.SamplerConfig; validation rejects other names)."""
+    """The sampler that cfg.backend names (config.SamplerConfig; validation rejects other names).
+    seed: the engine's own seed (vLLM: for requests without one; the built-in sampler has none)."""
     if cfg.backend == "vllm":
         from grpo_cli.samplers.vllm import VLLMSampler
 

@@ -137,7 +137,7 @@ class VLLMSampler:
             else:
                 kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
                 kwargs["enable_sleep_mode"] = cfg.sleep_mode
-            set_num_threads = torch.set_num_threads
+            set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
             try:
                 self.llm = vllm.LLM(
                     model=config_dir,
@@ -157,8 +157,11 @@ class VLLMSampler:
                 )
             finally:
                 # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process (it
-                # binds threads when it runs in a process of its own); in ours it binds nothing.
+                # binds threads when it runs in a process of its own; in ours it binds nothing),
+                # and without OMP_NUM_THREADS it sets torch to 1 thread "for serving": the
+                # trainer's forward and backward would then run on one core. Both undone.
                 torch.set_num_threads = set_num_threads
+                torch.set_num_threads(threads)
         except VLLMUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure to start is the same user-facing problem
