@@ -303,3 +303,16 @@ def test_default_model_trains_with_vllm_in_bf16(tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grad_norm"] > 0 for r in rows), rows
+
+
+def test_an_engine_that_cannot_run_the_model_is_one_paragraph_before_training(tmp_path):
+    """model=tiny has 16-wide attention heads, which vLLM's CPU attention has no kernel for: the
+    engine's warm-up fails at its start, and grpo-train says so in one paragraph (exit 2, no
+    traceback, nothing trained)."""
+    run_dir = tmp_path / "run"
+    res = grpo([*tiny("sampler=vllm", "trainer.precision=fp32"), f"hydra.run.dir={run_dir}"], tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "the vLLM engine failed to start" in out and "head size of at least 32" in out
+    assert "Traceback" not in out
+    assert not (run_dir / "metrics.jsonl").exists()

@@ -24,9 +24,11 @@ import gc
 import os
 import tempfile
 import time
+import warnings
 
 import torch
 
+from grpo_cli.errors import UserError
 from grpo_cli.rollout import Rollout
 from grpo_cli.samplers.builtin import left_pad
 
@@ -44,8 +46,9 @@ TOLERANCE = {"fp32": (1e-3, 2e-2), "bf16": (0.15, 2.0), "bf16-autocast": (0.15, 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16-autocast": "bfloat16", "fp16": "float16"}
 
 
-class VLLMUnavailable(RuntimeError):
-    """vLLM cannot be imported, is a version this sampler cannot drive, or its engine failed to start."""
+class VLLMUnavailable(UserError):
+    """vLLM cannot be imported, is a version this sampler cannot drive, or its engine failed to
+    start (reported as one paragraph before training, exit 2)."""
 
 
 def install_hint(device_type: str) -> str:
@@ -61,7 +64,9 @@ def import_vllm(device_type: str):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up warnings are not the user's to act on
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     try:
-        import vllm
+        with _quiet():
+            import vllm
+            import vllm.inputs  # noqa: F401  (imported here, under the filter, rather than at first use)
     except Exception as exc:  # noqa: BLE001 - an ImportError, or a broken install's own error
         raise VLLMUnavailable(
             f"sampler.backend=vllm: vLLM cannot be imported ({type(exc).__name__}: {str(exc)[:200]}). "
@@ -78,6 +83,15 @@ def import_vllm(device_type: str):
             f"`{install_hint(device_type)}`, or choose sampler=default."
         )
     return vllm
+
+
+@contextlib.contextmanager
+def _quiet():
+    """vLLM's own deprecation notices (at import and engine start) are not the user's to act on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
 
 
 def _base_model(policy):
@@ -139,22 +153,23 @@ class VLLMSampler:
                 kwargs["enable_sleep_mode"] = cfg.sleep_mode
             set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
             try:
-                self.llm = vllm.LLM(
-                    model=config_dir,
-                    load_format="dummy",
-                    skip_tokenizer_init=True,  # token ids in, token ids out
-                    generation_config="vllm",  # none of the model's generation_config defaults
-                    dtype=_DTYPES[precision.name],
-                    max_model_len=cfg.max_model_len or (cfg.max_prompt_length + cfg.max_new_tokens),
-                    logprobs_mode="processed_logprobs",
-                    enable_prefix_caching=True,
-                    enforce_eager=(
-                        self.device.type == "cpu" if cfg.enforce_eager is None else cfg.enforce_eager
-                    ),
-                    seed=seed,
-                    disable_log_stats=True,
-                    **kwargs,
-                )
+                with _quiet():
+                    self.llm = vllm.LLM(
+                        model=config_dir,
+                        load_format="dummy",
+                        skip_tokenizer_init=True,  # token ids in, token ids out
+                        generation_config="vllm",  # none of the model's generation_config defaults
+                        dtype=_DTYPES[precision.name],
+                        max_model_len=cfg.max_model_len or (cfg.max_prompt_length + cfg.max_new_tokens),
+                        logprobs_mode="processed_logprobs",
+                        enable_prefix_caching=True,
+                        enforce_eager=(
+                            self.device.type == "cpu" if cfg.enforce_eager is None else cfg.enforce_eager
+                        ),
+                        seed=seed,
+                        disable_log_stats=True,
+                        **kwargs,
+                    )
             finally:
                 # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process (it
                 # binds threads when it runs in a process of its own; in ours it binds nothing),
@@ -162,6 +177,9 @@ class VLLMSampler:
                 # trainer's forward and backward would then run on one core. Both undone.
                 torch.set_num_threads = set_num_threads
                 torch.set_num_threads(threads)
+            # One token of one prompt: its kernels run now, so a model they cannot run (vLLM's CPU
+            # attention has no kernel for heads narrower than 32) fails here, before training.
+            self._warm_up()
         except VLLMUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure to start is the same user-facing problem
@@ -178,6 +196,13 @@ class VLLMSampler:
         VLLMSampler._live += 1
         self.sync(policy)
         self.start_seconds = time.perf_counter() - tick
+
+    def _warm_up(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self.llm.generate([TokensPrompt(prompt_token_ids=[self.pad_id, self.pad_id])], params, use_tqdm=False)
 
     @contextlib.contextmanager
     def sampling(self):
