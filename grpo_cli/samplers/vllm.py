@@ -177,12 +177,14 @@ class VLLMSampler:
                 # trainer's forward and backward would then run on one core. Both undone.
                 torch.set_num_threads = set_num_threads
                 torch.set_num_threads(threads)
+            VLLMSampler._live += 1
             # One token of one prompt: its kernels run now, so a model they cannot run (vLLM's CPU
             # attention has no kernel for heads narrower than 32) fails here, before training.
             self._warm_up()
         except VLLMUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure to start is the same user-facing problem
+            self.close()  # an engine that started but cannot run: shut down now, not at exit
             raise VLLMUnavailable(
                 f"sampler.backend=vllm: the vLLM engine failed to start for this model on {self.device} "
                 f"({type(exc).__name__}: {str(exc)[:300]}). Lower sampler.max_model_len or "
@@ -193,7 +195,6 @@ class VLLMSampler:
             import shutil
 
             shutil.rmtree(config_dir, ignore_errors=True)
-        VLLMSampler._live += 1
         self.sync(policy)
         self.start_seconds = time.perf_counter() - tick
 
