@@ -93,11 +93,14 @@ def arithmetic_rows(
 
 def _arithmetic_row(a: int, op: str, b: int) -> dict:
     answer = a + b if op == "+" else a - b if op == "-" else a * b
-    # `operation` lets the evaluation report accuracy per operation (data.eval_group_by).
+    # `kind` lets the evaluation report accuracy per kind of problem (data.eval_group_by): the
+    # operation, with a subtraction whose result is below zero apart (minus_negative), the kind
+    # the default model almost never samples a right answer for (docs/recipe.md).
     return {
         "prompt": f"What is {a} {OP_WORDS[op]} {b}? Answer with only the number.",
         "answer": str(answer),
         "operation": OP_WORDS[op],
+        "kind": "minus_negative" if answer < 0 else OP_WORDS[op],
     }
 
 

@@ -82,6 +82,11 @@ def test_every_arithmetic_row_names_its_operation():
     for row in train + evals:
         assert row["operation"] == _operands(row)[1]
     assert {r["operation"] for r in evals} == {"plus", "minus", "times"}
+    # `kind` (what held-out accuracy is broken down by): a subtraction below zero is its own kind.
+    for r in evals:
+        negative = r["operation"] == "minus" and int(r["answer"]) < 0
+        assert r["kind"] == ("minus_negative" if negative else r["operation"])
+    assert {r["kind"] for r in evals} == {"plus", "minus", "minus_negative", "times"}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -61,9 +61,10 @@ class DataConfig:
     # whether the model learned arithmetic or the training range's answers. 0, or a value not
     # above max_operand: none (said when training starts).
     wide_eval_max_operand: int = 50
-    # Held-out accuracy is also reported per value of this column of the held-out rows
-    # (eval/accuracy/plus, /minus, /times for the built-in arithmetic); null: no breakdown.
-    eval_group_by: Optional[str] = "operation"
+    # Held-out accuracy is also reported per value of this column of the held-out rows; the
+    # built-in arithmetic's `kind` gives eval/accuracy/plus, /minus (result >= 0), /minus_negative
+    # and /times (its `operation` column: plus, minus, times); null: no breakdown.
+    eval_group_by: Optional[str] = "kind"
 
 
 @dataclass
@@ -83,6 +84,12 @@ class SamplerConfig:
     max_prompt_length: int = 256
     # Sample max_new_tokens for every completion, EOS or not (benchmarks: equal token counts).
     ignore_eos: bool = False
+    # Adaptive group sizes (docs/recipe.md): a prompt whose num_generations completions all pass or
+    # all fail gets num_generations more, round after round, until it has both or has this many;
+    # it then trains on a group of num_generations of them, balanced between passes and fails.
+    # None (or num_generations): one round, the plain GRPO group. A multiple of num_generations;
+    # a step samples at most prompts_per_step x max_generations completions.
+    max_generations: Optional[int] = None
     # --- backend=vllm only (rejected under builtin) ---
     # The engine's share of the GPU's memory (weights, activations, KV cache): 0.3 leaves the rest
     # to training on the same GPU (TRL's colocate default).
@@ -189,6 +196,10 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dynamic_sampling: bool = False
     max_sampling_tries: int = 4
+    # With loss.zero_std=mask, a zero-std group's loss terms are exactly 0: its rows skip the policy
+    # forward/backward and the reference pass (the update is the same). false runs them anyway
+    # (only to measure what the skip saves).
+    skip_zero_std: bool = True
     self_check: bool = True
     # Completions written to completions.jsonl in the run folder per step (whole groups first:
     # 32 = the default step's 4 groups of 8); the console shows the best and worst of one group per
