@@ -190,11 +190,13 @@ def shard(n: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
-def prompt_seed(seed: int, step: int, index: int) -> int:
+def prompt_seed(seed: int, step: int, index: int, round: int = 0) -> int:
     """The seed of the generator that samples prompt `index` (its place in the step's draw) of
-    `step`: a function of these three only, so the completions do not depend on how many
-    processes share the step, nor on the order the ranks run in."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=8).digest()
+    `step`, in sampling round `round` (adaptive group sizes: 0 is the first group): a function of
+    these only, so the completions do not depend on how many processes share the step, nor on the
+    order the ranks run in."""
+    key = f"{seed}/{step}/{index}" + (f"/{round}" if round else "")  # round 0: the seed it always had
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 

@@ -255,7 +255,7 @@ class _Run:
 
     def evaluate(self) -> dict[str, float]:
         """The held-out set, and the wide one (operands outside training's) when there is one,
-        greedy, with accuracy per value of data.eval_group_by (operation)."""
+        greedy, with accuracy per value of data.eval_group_by (kind of problem)."""
         p, d, out = self.parts, self.parts.dist, {}
         for prefix, examples, groups in self.eval_sets:
             mine = [examples[i] for i in shard(len(examples), d.rank, d.world_size)]
@@ -344,7 +344,8 @@ def _say_no_signal(step: int, log) -> bool:
         f"step {step}: no learning signal (every group's rewards are equal, or no completion token enters "
         "the loss), so the optimizer and scheduler step was skipped and the weights did not move. Such steps "
         "are counted in skipped_updates/no_signal (said once). If they are frequent: "
-        "trainer.dynamic_sampling=true, a higher sampler.temperature, or data of a difficulty the model "
+        "trainer.dynamic_sampling=true, sampler.max_generations=32 (more completions for a prompt whose "
+        "group scored alike), a higher sampler.temperature, or data of a difficulty the model "
         "sometimes solves."
     )
     return True

@@ -55,6 +55,14 @@ def _value(row: Row, key: str) -> float:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
 
 
+def _entropy(row: Row) -> float:
+    """The policy's entropy per token: measured over the rows trained on, or, on a step that trained
+    on none (every group zero-std and skipped, as in a collapse), the sampled tokens' mean negative
+    log-prob (its Monte Carlo estimate, over every row)."""
+    value = _value(row, "entropy")
+    return value if math.isfinite(value) else _value(row, "sampler/neg_logp_mean")
+
+
 # sampler/trainer mismatch: a gap no sampler's rounding explains (bf16 decode measures ~0.03 here),
 # or the sampler's own declared tolerance where that is looser (samplers.Sampler.tolerance).
 MISMATCH_NATS = 0.1
@@ -68,7 +76,9 @@ def rules(
     more = (
         "trainer.dynamic_sampling is on and trains on the groups with signal, but most rollouts are wasted"
         if dynamic_sampling
-        else "set trainer.dynamic_sampling=true to train only on groups with signal"
+        else "set trainer.dynamic_sampling=true to train only on groups with signal, or "
+        "sampler.max_generations=32 to sample more completions of a prompt until its group holds a pass "
+        "and a fail"
     )
     found = [
         Rule(
@@ -108,9 +118,9 @@ def rules(
         Rule(
             "entropy collapse",
             3,
-            lambda r, first: _value(r, "entropy") < min(0.1, 0.2 * _value(first, "entropy")),
+            lambda r, first: _entropy(r) < min(0.1, 0.2 * _entropy(first)),
             lambda r: (
-                f"the policy's entropy fell to {_value(r, 'entropy'):.3g} nats per token (under 0.1, and under "
+                f"the policy's entropy fell to {_entropy(r):.3g} nats per token (under 0.1, and under "
                 "20% of its first step's) 3 steps in a row: the samples stop differing and the learning signal goes "
                 "with them. Lower optimizer.learning_rate, raise sampler.temperature, or anchor the policy "
                 "with loss.beta=0.04; a checkpoint from before the collapse may be the one to keep."
@@ -177,7 +187,7 @@ class HealthMonitor:
         self.resume_step = resume_step
 
     def check(self, row: Row) -> list[str]:
-        if self.first is None and "entropy" in row:  # the baseline: the first row of a step that trained
+        if self.first is None and math.isfinite(_entropy(row)):  # the baseline: the first row of a step
             self.first = row
         said = []
         for rule in self.rules:

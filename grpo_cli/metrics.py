@@ -288,6 +288,7 @@ class UpdateStats:
         self.ratio_max = 0.0
         self.entropy_sum = self.entropy_tokens = 0.0
         self.mismatch_sum = self.mismatch_max = self.mismatch_tokens = 0.0
+        self.rows = 0.0  # rows through the policy forward in one iteration (what the two above measure)
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.faults: list[str] = []  # the non-finite updates skipped, as lines for the divergence report
@@ -312,12 +313,13 @@ class UpdateStats:
         self.entropy_sum += float(entropy[valid].sum())
         self.entropy_tokens += float(valid.sum())
 
-    def add_mismatch(self, check) -> None:
+    def add_mismatch(self, check, rows: int) -> None:
         """One micro-batch's |trainer - sampler| log-prob (a selfcheck.LogprobCheck, the one the
-        step-0 self-check judges too)."""
+        step-0 self-check judges too), over its `rows`."""
         self.mismatch_sum += check.sum_abs_diff
         self.mismatch_max = max(self.mismatch_max, check.max_abs_diff)
         self.mismatch_tokens += float(check.valid_tokens)
+        self.rows += rows
 
     def all_reduce(self, d) -> None:
         """With several processes (distributed.Dist d): the sums over every rank's micro-batches,
@@ -325,7 +327,7 @@ class UpdateStats:
         if not d.enabled:
             return
         keys = [*LOSS_STATS, "num_tokens"]  # the same on every rank (a rank may have trained on none)
-        scalars = ("entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens")
+        scalars = ("entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens", "rows")
         summed = d.sum(
             [self.sums.get(k, 0.0) for k in keys]
             + [self.last.get(k, 0.0) for k in keys]
@@ -355,9 +357,14 @@ class UpdateStats:
                 if num_iterations > 1
                 else {}
             ),
-            "sampler/logp_diff_mean": self.mismatch_sum / max(self.mismatch_tokens, 1.0),
-            "sampler/logp_diff_max": self.mismatch_max,
-            "entropy": self.entropy_sum / max(self.entropy_tokens, 1.0),
+            # Over the rows trained on (num_rows_trained: zero-std groups skip the forward under
+            # loss.zero_std=mask); NaN on a step that trained on none.
+            "sampler/logp_diff_mean": self.mismatch_sum / self.mismatch_tokens
+            if self.mismatch_tokens
+            else math.nan,
+            "sampler/logp_diff_max": self.mismatch_max if self.mismatch_tokens else math.nan,
+            "entropy": self.entropy_sum / self.entropy_tokens if self.entropy_tokens else math.nan,
+            "num_rows_trained": int(self.rows),
             # Means over the step's num_iterations updates (pre-clip norms, ref 000.7).
             "grad_norm": sum(self.grad_norms) / len(self.grad_norms),
             "grad_norm_max": max(self.grad_norms),
@@ -403,12 +410,23 @@ def step_row(
         **reward_metrics(sampled.per_reward),
         "frac_reward_zero_std": sampled.zero_std_groups / max(sampled.groups, 1),
         "num_groups_sampled": sampled.groups,
+        # Every completion sampled this step (adaptive rounds and discarded groups included): the
+        # budget runs are compared at. Adaptive group sizes: prompts given more rounds, and those of
+        # them whose group then held both a pass and a fail.
+        "num_completions_sampled": sampled.completions,
+        "num_groups_resampled": sampled.resampled_groups,
+        "num_groups_rescued": sampled.rescued_groups,
         **updates.row(num_iterations),
         "prompts/mean_length": float(batch.prompt_mask.sum(-1).float().mean()),
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(batch.truncated.float().mean()),
+        # The sampled tokens' mean -log p (the sampler's, tempered), every row: a Monte Carlo
+        # estimate of the entropy that needs no forward (health's stand-in for `entropy` on a step
+        # that trained on no row).
+        "sampler/neg_logp_mean": float(-(batch.sampler_logps * batch.completion_mask).sum())
+        / max(float(batch.completion_mask.sum()), 1.0),
         "learning_rate": float(learning_rate),
         "step_time": step_time,
         "tokens_per_second": float(batch.completion_mask.sum()) / step_time,

@@ -31,7 +31,7 @@ from grpo_cli.loss import (
 )
 from grpo_cli.metrics import UpdateStats
 from grpo_cli.precision import autocast
-from grpo_cli.rewards import correctness
+from grpo_cli.rewards import correctness, passes
 from grpo_cli.rollout import Rollout, concat, select
 from grpo_cli.selfcheck import compare_logprobs
 
@@ -39,8 +39,10 @@ from grpo_cli.selfcheck import compare_logprobs
 @dataclass
 class Sampled:
     """One step's sampling: the rollout to train on (None when dynamic sampling kept no group), and
-    what was drawn in all: every sampled group's per-reward values and totals, how many groups,
-    how many of them zero-std."""
+    what was drawn in all: every sampled completion's per-reward values and totals (adaptive
+    rounds and discarded groups included), how many prompts, how many of their groups zero-std,
+    how many completions, and what adaptive group sizes did (prompts given more rounds, and of
+    them those whose group then carried signal)."""
 
     batch: Rollout | None
     num_generations: int
@@ -49,15 +51,33 @@ class Sampled:
     totals: list[float] = field(default_factory=list)
     groups: int = 0
     zero_std_groups: int = 0
+    completions: int = 0
+    resampled_groups: int = 0
+    rescued_groups: int = 0
     examples: list = field(default_factory=list)  # every drawn example (rollout.prompt_index's list)
 
 
-def sample_and_score(cfg: Config, parts, phase: dict[str, float], step: int) -> Sampled:
-    """trainer.prompts_per_step prompts, sampler.num_generations completions each, scored. With
-    trainer.dynamic_sampling (DAPO), zero-std groups are dropped and more prompts are sampled (up
-    to max_sampling_tries rollouts) to fill the step with groups that carry signal.
+@dataclass
+class _Scored:
+    """One rank's sampled prompts: the rollout of their training groups (G rows each) with those
+    rows' totals and per-reward values, and every completion sampled (the pool: all rounds)."""
 
-    Prompt i of the step's draw is sampled from its own seed (seed, step, i). With several
+    rollout: Rollout
+    totals: list[float]
+    per_reward: dict[str, list]
+    pool_totals: list[float]
+    pool_per_reward: dict[str, list]
+    resampled: int = 0
+    rescued: int = 0
+
+
+def sample_and_score(cfg: Config, parts, phase: dict[str, float], step: int) -> Sampled:
+    """trainer.prompts_per_step prompts, a group of sampler.num_generations completions each
+    (adaptive group sizes: _sample_groups), scored. With trainer.dynamic_sampling (DAPO),
+    zero-std groups are dropped and more prompts are sampled (up to max_sampling_tries rollouts)
+    to fill the step with groups that carry signal.
+
+    Prompt i of the step's draw is sampled from its own seed (seed, step, i, round). With several
     processes each rank samples and scores its shard of the prompts, and the scored rollouts are
     gathered: every rank then holds the whole step, in the order one process would have it."""
     t, G, d = cfg.trainer, cfg.sampler.num_generations, parts.dist
@@ -66,34 +86,19 @@ def sample_and_score(cfg: Config, parts, phase: dict[str, float], step: int) -> 
     kept, drawn = [], 0
     for _ in range(t.max_sampling_tries if t.dynamic_sampling else 1):
         examples = parts.stream.take(t.prompts_per_step - len(kept))  # the same on every rank
-        mine = shard(len(examples), d.rank, d.world_size)
-        seeds = [prompt_seed(t.seed, step, drawn + i) for i in mine]
+        mine = list(shard(len(examples), d.rank, d.world_size))
+        scored = _sample_groups(
+            cfg, parts, phase, step, [examples[i] for i in mine], [drawn + i for i in mine], sampled.judge
+        )
         drawn += len(examples)
-        scored = None
-        tick = time.perf_counter()
-        with parts.sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
-            if len(mine):
-                rollout = parts.sampler.generate(
-                    [examples[i].prompt_ids for i in mine],
-                    seeds=seeds,
-                    num_generations=G,
-                    ignore_eos=cfg.sampler.ignore_eos,
-                )
-        phase["rollout"] += time.perf_counter() - tick
-        if len(mine):
-            tick = time.perf_counter()
-            _, total, per_reward = score_examples(
-                parts.rewards, parts.tokenizer, [examples[i] for i in mine], rollout, G
-            )
-            phase["reward"] += time.perf_counter() - tick
-            scored = (rollout, total, per_reward)
-        rollout, total, per_reward = _gather_scored(d, scored, parts.device, parts.tokenizer.pad_token_id)
-        rollout.rewards = torch.tensor(total, dtype=torch.float32, device=parts.device)  # [n*G]
+        scored = _gather_scored(d, scored, parts.device, parts.tokenizer.pad_token_id)
+        rollout = scored.rollout
+        rollout.rewards = torch.tensor(scored.totals, dtype=torch.float32, device=parts.device)  # [n*G]
         rollout.prompt_index = torch.arange(
             len(sampled.examples), len(sampled.examples) + len(examples), device=parts.device
         ).repeat_interleave(G)  # [n*G]
         rollout.reward_values = torch.tensor(  # [n*G, R], None as NaN
-            [[math.nan if v is None else v for v in values] for values in per_reward.values()],
+            [[math.nan if v is None else v for v in values] for values in scored.per_reward.values()],
             dtype=torch.float32,
             device=parts.device,
         ).T
@@ -103,8 +108,11 @@ def sample_and_score(cfg: Config, parts, phase: dict[str, float], step: int) -> 
         )
         sampled.zero_std_groups += int(zero.sum())
         sampled.groups += len(examples)
-        sampled.totals += total
-        for name, values in per_reward.items():
+        sampled.totals += scored.pool_totals
+        sampled.completions += len(scored.pool_totals)
+        sampled.resampled_groups += scored.resampled
+        sampled.rescued_groups += scored.rescued
+        for name, values in scored.pool_per_reward.items():
             sampled.per_reward.setdefault(name, []).extend(values)
         keep = ~zero if t.dynamic_sampling else torch.ones_like(zero)
         kept += [
@@ -118,18 +126,107 @@ def sample_and_score(cfg: Config, parts, phase: dict[str, float], step: int) -> 
     return sampled
 
 
-def _gather_scored(d, scored, device, pad_id: int):
-    """Every rank's (rollout, totals, per-reward values), joined in rank order (= prompt order)."""
+def _sample_groups(cfg: Config, parts, phase, step: int, examples, indices, judge) -> _Scored | None:
+    """This rank's prompts (`indices`: their places in the step's draw), a training group of G
+    completions each. Round 0 samples G of every prompt. With sampler.max_generations > G
+    (adaptive group sizes), a prompt whose completions so far all pass or all fail (the pass
+    rule: rewards.passes) gets G more in the next round, until it has both or max_generations;
+    its group is then G of them, balanced (balanced_group). Every process enters every round's
+    sampler.sampling() (FSDP2 gathers the weights there), so rounds end on all ranks at once."""
+    G, d, t = cfg.sampler.num_generations, parts.dist, cfg.trainer
+    rounds = (cfg.sampler.max_generations or G) // G
+    pools: list[list] = [[] for _ in examples]  # per prompt: its rounds' (rollout, totals, per_reward)
+    pending = list(range(len(examples)))
+    for round in range(rounds):
+        if round:
+            pending = [j for j in pending if not _mixed(pools[j], judge)]
+            if not d.any(bool(pending)):
+                break
+        tick = time.perf_counter()
+        with parts.sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
+            if pending:
+                rollout = parts.sampler.generate(
+                    [examples[j].prompt_ids for j in pending],
+                    seeds=[prompt_seed(t.seed, step, indices[j], round) for j in pending],
+                    num_generations=G,
+                    ignore_eos=cfg.sampler.ignore_eos,
+                )
+        phase["rollout"] += time.perf_counter() - tick
+        if pending:
+            tick = time.perf_counter()
+            _, total, per_reward = score_examples(
+                parts.rewards, parts.tokenizer, [examples[j] for j in pending], rollout, G
+            )
+            phase["reward"] += time.perf_counter() - tick
+            for n, j in enumerate(pending):
+                rows = slice(n * G, (n + 1) * G)
+                pools[j].append(
+                    (
+                        select(rollout, torch.arange(n * G, (n + 1) * G)),
+                        total[rows],
+                        {name: values[rows] for name, values in per_reward.items()},
+                    )
+                )
+    if not examples:
+        return None
+    pad_id = parts.tokenizer.pad_token_id
+    groups, scored = [], _Scored(None, [], {}, [], {})
+    for pool in pools:
+        totals = [v for _, round_totals, _ in pool for v in round_totals]
+        per_reward = {name: [v for _, _, pr in pool for v in pr[name]] for name in pool[0][2]}
+        chosen = balanced_group(passes(per_reward, totals, judge), G)
+        rollout = concat([r for r, _, _ in pool], pad_id)
+        groups.append(select(rollout, torch.tensor(chosen)))
+        scored.totals += [totals[i] for i in chosen]
+        for name, values in per_reward.items():
+            scored.per_reward.setdefault(name, []).extend(values[i] for i in chosen)
+            scored.pool_per_reward.setdefault(name, []).extend(values)
+        scored.pool_totals += totals
+        scored.resampled += len(pool) > 1
+        scored.rescued += len(pool) > 1 and _mixed(pool, judge)
+    scored.rollout = concat(groups, pad_id)
+    return scored
+
+
+def _mixed(pool: list, judge: str | None) -> bool:
+    """Whether a prompt's completions so far hold both a pass and a fail."""
+    totals = [v for _, round_totals, _ in pool for v in round_totals]
+    per_reward = {name: [v for _, _, pr in pool for v in pr[name]] for name in pool[0][2]}
+    return len(set(passes(per_reward, totals, judge))) == 2
+
+
+def balanced_group(passed: list[bool], G: int) -> list[int]:
+    """The G completions (indices into a prompt's pool, in sampling order) it trains on. A pool of
+    one outcome: its first G (the first round's group). Otherwise half passes and half fails where
+    the pool has them, the rarer outcome's all when it has fewer, the rest from the other; within
+    an outcome the first ones sampled (the samples are i.i.d., so the first k are a uniform draw).
+    A pool that mixed in its first round is its first G, as without adaptive group sizes."""
+    wins = [i for i, p in enumerate(passed) if p]
+    fails = [i for i, p in enumerate(passed) if not p]
+    if not wins or not fails:
+        return list(range(G))
+    k = min(len(wins), max(G // 2, G - len(fails)))  # passes taken
+    return sorted(wins[:k] + fails[: G - k])
+
+
+def _gather_scored(d, scored: _Scored | None, device, pad_id: int) -> _Scored:
+    """Every rank's _Scored, joined in rank order (= prompt order)."""
     if not d.enabled:
         return scored
-    cpu = None if scored is None else (scored[0].to("cpu"), scored[1], scored[2])
-    parts = [p for p in d.gather(cpu) if p is not None]
-    rollout = concat([p[0] for p in parts], pad_id).to(device)
-    per_reward: dict[str, list] = {}
+    if scored is not None:
+        scored.rollout = scored.rollout.to("cpu")
+    parts = [p for p in d.gather(scored) if p is not None]
+    joined = _Scored(concat([p.rollout for p in parts], pad_id).to(device), [], {}, [], {})
     for p in parts:
-        for name, values in p[2].items():
-            per_reward.setdefault(name, []).extend(values)
-    return rollout, [v for p in parts for v in p[1]], per_reward
+        joined.totals += p.totals
+        joined.pool_totals += p.pool_totals
+        for name, values in p.per_reward.items():
+            joined.per_reward.setdefault(name, []).extend(values)
+        for name, values in p.pool_per_reward.items():
+            joined.pool_per_reward.setdefault(name, []).extend(values)
+        joined.resampled += p.resampled
+        joined.rescued += p.rescued
+    return joined
 
 
 def advantages(cfg: Config, batch: Rollout, device) -> tuple[tuple[int, int], bool]:
@@ -155,12 +252,20 @@ def advantages(cfg: Config, batch: Rollout, device) -> tuple[tuple[int, int], bo
 @dataclass
 class MicroBatches:
     """Row indices of each micro-batch of this rank: whole groups of num_generations consecutive
-    rows (ref 004). Every rank runs as many (DDP reduces in the last backward, FSDP2's forward and
-    backward are collectives): one with fewer groups (dynamic sampling kept fewer than
-    prompts_per_step) makes up the count with stand-ins, a group at weight 0 (index >= real)."""
+    rows (ref 004), less the zero-std groups under loss.zero_std=mask (trainer.skip_zero_std: their
+    loss terms are exactly 0, so they skip the forward and backward; a micro-batch of only such
+    groups is empty and skipped). Every rank runs as many (DDP reduces in the last backward, FSDP2's
+    forward and backward are collectives): one with fewer (dynamic sampling kept fewer groups, or
+    more were skipped) makes up the count with stand-ins, a group at weight 0 (index >= real)."""
 
     rows: list[torch.Tensor]
     real: int
+
+    def order(self) -> list[int]:
+        """One iteration's micro-batches in a random order, the empty ones left out. (The
+        permutation covers every micro-batch, empty or not, so the skip changes neither the
+        random stream nor the order in which the others accumulate: the update is bit-identical.)"""
+        return [k for k in torch.randperm(len(self.rows)).tolist() if len(self.rows[k])]
 
 
 def micro_batches(cfg: Config, batch: Rollout, d) -> MicroBatches:
@@ -171,9 +276,12 @@ def micro_batches(cfg: Config, batch: Rollout, d) -> MicroBatches:
         torch.arange(i * G, min(i + per_micro_batch, groups.stop) * G)
         for i in range(groups.start, groups.stop, per_micro_batch)
     ]
-    real = len(rows)
+    if cfg.loss.zero_std == "mask" and t.skip_zero_std:
+        zero = batch.zero_std.cpu()  # [N] bool
+        rows = [r[~zero[r]] for r in rows]
+    real, runs = len(rows), sum(len(r) > 0 for r in rows)
     if d.enabled:
-        rows += [torch.arange(G)] * (int(d.max([real])[0]) - real)
+        rows += [torch.arange(G)] * (int(d.max([runs])[0]) - runs)
     return MicroBatches(rows, real)
 
 
@@ -189,6 +297,8 @@ def reference_logprobs(parts, batch: Rollout, plan: MicroBatches, temperature: f
         autocast(ref_logps.device, parts.precision),
     ):
         for rows in plan.rows:
+            if not len(rows):
+                continue
             mb = batch.rows(rows)
             ref_logps[rows, : mb.completion_ids.shape[1]] = token_logprobs(
                 ref, *mb.inputs(), temperature=temperature, shared_prompt=parts.fast_paths
@@ -221,7 +331,7 @@ def update(cfg: Config, parts, batch: Rollout, plan: MicroBatches, ctx: UpdateCo
     is_weights = torch.ones_like(batch.sampler_logps) if lo.sampler_correction == "tis" else None  # [N, C]
     results, check = [], None
     for iteration in range(t.num_iterations):
-        order = torch.randperm(len(plan.rows)).tolist()
+        order = plan.order()
         loss_total = 0.0
         updates.new_iteration()
         tick = time.perf_counter()
@@ -246,7 +356,7 @@ def update(cfg: Config, parts, batch: Rollout, plan: MicroBatches, ctx: UpdateCo
                 mismatch = compare_logprobs(
                     old, mb.sampler_logps, mb.completion_mask, parts.sampler.tolerance
                 )
-                updates.add_mismatch(mismatch)
+                updates.add_mismatch(mismatch, len(rows))
                 if is_weights is not None:
                     is_weights[rows, :C] = truncated_importance_weights(
                         old, mb.sampler_logps, mb.completion_mask, cap=lo.tis_cap

@@ -38,6 +38,22 @@ CASES = {
     "accumulation": ["loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
     "dynamic-sampling": ["trainer.dynamic_sampling=true", "reward.code.fn=reward_fixtures:plus_parity"],
     "batch-scale": ["loss.scale_rewards=batch", "trainer.num_iterations=2"],
+    # Zero-std groups skipped (plus_parity: only plus prompts carry signal) with a micro-batch per
+    # group: the ranks skip different counts, the one with fewer left runs stand-ins.
+    "skip-zero-std": [
+        "reward.code.fn=reward_fixtures:plus_parity",
+        "loss.beta=0.04",
+        "trainer.gradient_accumulation_steps=2",
+    ],
+    # Adaptive group sizes (rare passes: rounds until a group mixes), DDP and FSDP2 (whose
+    # sampling gathers the weights: every rank enters every round).
+    "adaptive": ["sampler.max_generations=12", "reward.code.fn=reward_fixtures:rare_pass"],
+    "fsdp-adaptive": [
+        "trainer.distributed=fsdp",
+        "sampler.max_generations=12",
+        "reward.code.fn=reward_fixtures:rare_pass",
+        "trainer.dynamic_sampling=true",
+    ],
     # LoRA adapters under DDP (the reference: the same model with its adapters disabled)
     "lora": [
         "adapter=lora",

@@ -58,3 +58,9 @@ def near_a(completions, **kwargs):
     character's code is): every completion scores differently, and one completion is best, so a
     policy pushed hard toward it ends deterministic, its entropy near 0, whatever the trajectory."""
     return [-sum(abs(ord(ch) - ord("a")) for ch in c) / (100 * max(len(c), 1)) for c in completions]
+
+
+def rare_pass(completions, **kwargs):
+    """1 for about one completion in ten (by its characters), else 0: most groups of 4 all fail, so
+    adaptive group sizes sample more rounds."""
+    return [float(sum(map(ord, c)) % 10 == 0) for c in completions]

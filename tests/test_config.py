@@ -86,6 +86,8 @@ VALIDATION_CASES = [
         "whole groups",
     ),
     (["reward=[]"], "no reward", "reward=[accuracy,format]"),
+    (["sampler.max_generations=20"], "sampler.max_generations=20 must be a multiple", "max_generations=32"),
+    (["sampler.max_generations=4"], "sampler.max_generations=4", "at least it"),
     (["loss.loss_type=ppo"], "loss.loss_type='ppo'", "grpo, bnpo, dr_grpo, dapo"),
     (["loss.kl_estimator=k4"], "loss.kl_estimator='k4'", "k1, k2, k3"),
     (["loss.scale_rewards=global"], "loss.scale_rewards='global'", "group, batch, none"),
@@ -290,6 +292,11 @@ UNUSED_CASES = [
     (["sampler.kv_cache_gib=2"], "sampler.kv_cache_gib=2.0 is ignored", "sampler=vllm"),
     (["sampler.enforce_eager=true"], "sampler.enforce_eager=true is ignored", "sampler=vllm"),
     (
+        ["loss.zero_std=keep", "trainer.skip_zero_std=false"],
+        "trainer.skip_zero_std=false is ignored with loss.zero_std=keep",
+        "loss.zero_std=mask",
+    ),
+    (
         ["trainer.max_sampling_tries=8"],
         "trainer.max_sampling_tries=8 is ignored",
         "trainer.dynamic_sampling=true",
@@ -333,6 +340,7 @@ USED_CASES = [
     ["data.max_operand=30", "data.wide_eval_max_operand=99"],
     ["loss.sampler_correction=tis", "loss.tis_cap=1.5"],
     ["trainer.dynamic_sampling=true", "trainer.max_sampling_tries=8"],
+    ["trainer.dynamic_sampling=true", "sampler.max_generations=32", "trainer.skip_zero_std=false"],
     [
         "adapter=lora",
         "adapter.r=8",

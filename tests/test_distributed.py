@@ -187,11 +187,21 @@ def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folde
         rows1, rows2 = metrics(tmp_path / "w1" / case), metrics(tmp_path / "w2" / case)
         assert [r["step"] for r in rows1] == [r["step"] for r in rows2], case
         for r1, r2 in zip(rows1, rows2):  # the metrics: rewards exactly (same samples), the rest closely
-            for key in ("reward", "reward_std", "frac_reward_zero_std", "num_groups_sampled"):
+            for key in (
+                "reward",
+                "reward_std",
+                "frac_reward_zero_std",
+                "num_groups_sampled",
+                "num_completions_sampled",
+                "num_groups_resampled",
+                "num_groups_rescued",
+                "num_rows_trained",
+            ):
                 assert r1[key] == r2[key], (case, key)
             for key, value in r1.items():
                 if isinstance(value, float) and "time" not in key and key != "tokens_per_second" and not bf16:
-                    assert r2[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (case, key)
+                    # (NaN: entropy and mismatch on a step that trained on no row)
+                    assert r2[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (case, key)
 
 
 # ============================================================================= 3. launchers and faults

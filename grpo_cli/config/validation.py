@@ -117,6 +117,12 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
             f"sampler.num_generations={G}: GRPO compares completions within a group, so it needs "
             "at least 2 per prompt; set sampler.num_generations=8 (or any value >= 2)."
         )
+    if s.max_generations is not None and (s.max_generations < G or s.max_generations % max(G, 1)):
+        problems.append(
+            f"sampler.max_generations={s.max_generations} must be a multiple of sampler.num_generations={G} "
+            f"and at least it (a prompt gets more completions {G} at a time); e.g. "
+            f"sampler.max_generations={4 * G}, or null for one round."
+        )
     if not s.temperature > 0:
         problems.append(
             f"sampler.temperature={s.temperature} must be > 0 (log-probs are computed from "
@@ -476,6 +482,12 @@ def unused_settings(cfg: Any) -> list[str]:
             f"trainer.max_sampling_tries={tr.max_sampling_tries} is ignored with trainer.dynamic_sampling="
             "false (it bounds the rollouts dynamic sampling makes to fill a step with groups that carry "
             "signal): set trainer.dynamic_sampling=true to use it, otherwise drop trainer.max_sampling_tries."
+        )
+    if lo.zero_std != "mask" and tr.skip_zero_std != TrainerConfig().skip_zero_std:
+        problems.append(
+            f"trainer.skip_zero_std={_cli(tr.skip_zero_std)} is ignored with loss.zero_std={lo.zero_std}: "
+            "zero-std groups keep loss terms (the KL pull, or a weight) there, so they always go through "
+            "the forward and backward; it applies to loss.zero_std=mask, otherwise drop it."
         )
     if a.name == "none":
         for key, value in _changed(a, AdapterConfig(), ("r", "alpha", "dropout", "target_modules", "init")):
