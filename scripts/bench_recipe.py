@@ -14,8 +14,8 @@ the thread count's timing; the curves are what is measured here, not speed).
 
 The report (printed, and written as OUT/recipe.json and OUT/recipe.png): per configuration, the
 held-out accuracy (mean and range over seeds) at the evaluation whose cumulative sampled
-completions (num_groups_sampled x G, so dynamic sampling's discarded groups count) first reach
-each budget in --budgets (default 256, 512, 1024, 2048: steps 8/16/32/64 of the default 4 x 8);
+completions (num_completions_sampled, so adaptive rounds and dynamic sampling's discarded groups
+count) stay within each budget in --budgets (default 256, 512, 1024, 2048: steps 8/16/32/64 of the default 4 x 8);
 the wide held-out set (operands outside the training range) and per-operation accuracy at the
 last budget; and a plot of mean accuracy against sampled completions.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OPERATIONS = ("plus", "minus", "times")
+OPERATIONS = ("plus", "minus", "minus_negative", "times")  # data.eval_group_by=kind
 
 
 def parse_config(text: str) -> tuple[str, list[str]]:
@@ -54,28 +55,54 @@ def read_rows(run: Path) -> list[dict]:
 
 def finished(run: Path, steps: int) -> bool:
     rows = read_rows(run)
-    return bool(rows) and rows[-1].get("step") == steps and (run / "checkpoints").exists()
+    return bool(rows) and (rows[-1].get("step") == steps or (run / "STOPPED_AT_BUDGET").exists())
+
+
+def completions(row: dict, group_size: int) -> int:
+    """A step's sampled completions (adaptive rounds and discarded groups count)."""
+    return row.get("num_completions_sampled", row.get("num_groups_sampled", 0) * group_size)
 
 
 def train(run: Path, overrides: list[str], seed: int, args, threads: int) -> float:
+    """One grpo-train run; stopped (SIGTERM: it saves and exits) at the first evaluation whose
+    cumulative sampled completions reach the last budget."""
     cmd = [
         sys.executable, "-m", "grpo_cli.cli.train",
         *overrides,
         f"trainer.seed={seed}",
         f"trainer.max_steps={args.steps}",
         f"trainer.eval_steps={args.eval_steps}",
-        f"trainer.save_steps={args.steps}",
-        "trainer.keep_last=1",
+        f"trainer.save_steps={args.save_steps or args.steps}",
+        "trainer.keep_last=2",
         f"hydra.run.dir={run}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     log_path = run.parent / f"{run.name}.log"
     with open(log_path, "w") as log:
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if code != 0:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        while proc.poll() is None:
+            time.sleep(5)
+            if _past_budget(run, args.budgets[-1]):
+                (run / "STOPPED_AT_BUDGET").write_text("")
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
+        code = proc.returncode
+    if code not in (0, 143):
         print(f"{run.name}: grpo-train exited {code}; see {log_path}", file=sys.stderr)
     return time.perf_counter() - t0
+
+
+def _past_budget(run: Path, budget: int) -> bool:
+    rows = read_rows(run)
+    if not rows or not (run / "config.yaml").exists():
+        return False
+    g, used = group_size(run), 0
+    for row in rows[1:]:
+        used += completions(row, g)
+        if "eval/accuracy" in row and used >= budget:
+            return True
+    return False
 
 
 def budget_rows(rows: list[dict], group_size: int, budgets: list[int]) -> dict[int, dict]:
@@ -83,7 +110,7 @@ def budget_rows(rows: list[dict], group_size: int, budgets: list[int]) -> dict[i
     out, used = {}, 0
     evaluated = [(0, rows[0])] if rows and "eval/accuracy" in rows[0] else []
     for row in rows[1:]:
-        used += row.get("num_groups_sampled", 0) * group_size
+        used += completions(row, group_size)
         if "eval/accuracy" in row:
             evaluated.append((used, row))
     for budget in budgets:
@@ -146,7 +173,7 @@ def report(configs: list[tuple[str, list[str]]], seeds: list[int], args) -> dict
 def _evaluated(rows, g):
     used = 0
     for row in rows[1:]:
-        used += row.get("num_groups_sampled", 0) * g
+        used += completions(row, g)
         if "eval/accuracy" in row:
             yield used, row
 
@@ -218,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--eval-steps", type=int, default=8)
+    p.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps too (0: at the end)")
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--report-only", action="store_true", help="only read the runs in OUT")
