@@ -101,6 +101,12 @@ def test_grpo_eval_on_the_tiny_preset(tmp_path):
         assert 0.0 <= result[key] <= (1.0 if "length" not in key else 6.0), key
     assert sum(result["pass_rate_histogram"]) == 6
     assert "advice" in result and "pass rate" in res.stdout
+    # Per kind of problem (data.eval_group_by): how often each samples a right answer.
+    kinds = {k.split("/")[1] for k in result if k.startswith("pass@1/")}
+    assert kinds and kinds <= {"plus", "minus", "minus_negative", "times"}
+    assert {k.split("/")[1] for k in result if k.startswith("greedy_accuracy/")} == kinds
+    for kind in kinds:
+        assert 0.0 <= result[f"pass@1/{kind}"] <= result[f"pass@3/{kind}"] <= 1.0
 
 
 def test_grpo_eval_on_a_checkpoint_uses_its_saved_config(tmp_path):

@@ -128,6 +128,10 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
                 "sampled_reward": sum(totals) / len(totals),
             }
         )
+        for value in group_values(examples, by):  # per kind: how often it samples a right answer
+            hits = [p for (p, _), ex in zip(sampled, examples) if str(ex.columns.get(by)) == value]
+            result[f"pass@1/{value}"] = sum(hits) / (G * len(hits))
+            result[f"pass@{G}/{value}"] = sum(1 for p in hits if p > 0) / len(hits)
         rate = result["pass@1"]
         if rate < 0.10:
             result["advice"] = (
