@@ -126,8 +126,10 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             #    step's loss normalisers; whether the step has any learning signal at all.
             norms, has_signal = phases.advantages(cfg, batch, parts.device)
 
-            # 3. Micro-batches of whole groups (this rank's shard); reference log-probs (beta > 0).
-            plan = phases.micro_batches(cfg, batch, d)
+            # 3. Micro-batches of whole groups (this rank's shard; zero-std groups left out, but on
+            #    the first step, whose self-check compares every row); reference log-probs (beta > 0).
+            first = t.self_check and not parts.resumed_from and step == start_step + 1
+            plan = phases.micro_batches(cfg, batch, d, skip_zero_std=t.skip_zero_std and not first)
             tick = time.perf_counter()
             if parts.ref is not None:
                 batch.ref_logps = phases.reference_logprobs(parts, batch, plan, cfg.sampler.temperature)
@@ -135,7 +137,6 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
 
             # 4. num_iterations updates on this rollout: gradient over the micro-batches, optimizer
             #    step (skipped when the loss or gradient is not finite, or there is no signal).
-            first = t.self_check and not parts.resumed_from and step == start_step + 1
             ctx = phases.UpdateContext(norms, has_signal, self_check=first)
             updates, results = phases.update(cfg, parts, batch, plan, ctx, phase, log)
             for result in results:

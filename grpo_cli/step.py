@@ -254,9 +254,10 @@ class MicroBatches:
     """Row indices of each micro-batch of this rank: whole groups of num_generations consecutive
     rows (ref 004), less the zero-std groups under loss.zero_std=mask (trainer.skip_zero_std: their
     loss terms are exactly 0, so they skip the forward and backward; a micro-batch of only such
-    groups is empty and skipped). Every rank runs as many (DDP reduces in the last backward, FSDP2's
-    forward and backward are collectives): one with fewer (dynamic sampling kept fewer groups, or
-    more were skipped) makes up the count with stand-ins, a group at weight 0 (index >= real)."""
+    groups is empty and skipped; the engine keeps them on a run's first step, for its
+    self-check). Every rank runs as many (DDP reduces in the last backward, FSDP2's forward and
+    backward are collectives): one with fewer (dynamic sampling kept fewer groups, or more were
+    skipped) makes up the count with stand-ins, a group at weight 0 (index >= real)."""
 
     rows: list[torch.Tensor]
     real: int
@@ -268,7 +269,7 @@ class MicroBatches:
         return [k for k in torch.randperm(len(self.rows)).tolist() if len(self.rows[k])]
 
 
-def micro_batches(cfg: Config, batch: Rollout, d) -> MicroBatches:
+def micro_batches(cfg: Config, batch: Rollout, d, skip_zero_std: bool = True) -> MicroBatches:
     t, G = cfg.trainer, cfg.sampler.num_generations
     groups = shard(batch.rewards.shape[0] // G, d.rank, d.world_size)
     per_micro_batch = t.prompts_per_step // (t.gradient_accumulation_steps * d.world_size)
@@ -276,7 +277,7 @@ def micro_batches(cfg: Config, batch: Rollout, d) -> MicroBatches:
         torch.arange(i * G, min(i + per_micro_batch, groups.stop) * G)
         for i in range(groups.start, groups.stop, per_micro_batch)
     ]
-    if cfg.loss.zero_std == "mask" and t.skip_zero_std:
+    if cfg.loss.zero_std == "mask" and skip_zero_std:
         zero = batch.zero_std.cpu()  # [N] bool
         rows = [r[~zero[r]] for r in rows]
     real, runs = len(rows), sum(len(r) > 0 for r in rows)

@@ -38,10 +38,10 @@ CASES = {
     "accumulation": ["loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
     "dynamic-sampling": ["trainer.dynamic_sampling=true", "reward.code.fn=reward_fixtures:plus_parity"],
     "batch-scale": ["loss.scale_rewards=batch", "trainer.num_iterations=2"],
-    # Zero-std groups skipped (plus_parity: only plus prompts carry signal) with a micro-batch per
-    # group: the ranks skip different counts, the one with fewer left runs stand-ins.
+    # Zero-std groups skipped (minus prompts carry no signal) with a micro-batch per group: the
+    # ranks skip different counts, the one with fewer left runs stand-ins.
     "skip-zero-std": [
-        "reward.code.fn=reward_fixtures:plus_parity",
+        "reward.code.fn=reward_fixtures:no_signal_on_minus",
         "loss.beta=0.04",
         "trainer.gradient_accumulation_steps=2",
     ],

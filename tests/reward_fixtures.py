@@ -64,3 +64,9 @@ def rare_pass(completions, **kwargs):
     """1 for about one completion in ten (by its characters), else 0: most groups of 4 all fail, so
     adaptive group sizes sample more rounds."""
     return [float(sum(map(ord, c)) % 10 == 0) for c in completions]
+
+
+def no_signal_on_minus(completions, prompts, **kwargs):
+    """char_code's values, but 0 for every completion of a "minus" prompt: those groups are
+    zero-std, the others carry signal."""
+    return [0.0 if "minus" in p else float(sum(map(ord, c)) % 7) for c, p in zip(completions, prompts)]

@@ -65,7 +65,6 @@ SKIP = tiny(
     "trainer.precision=fp32",
     "trainer.seed=2",
 )
-MEASURED = ("entropy", "sampler/logp_diff_mean", "sampler/logp_diff_max", "num_rows_trained")
 
 
 def _same(a, b):
@@ -93,7 +92,8 @@ def test_skipping_zero_std_groups_leaves_the_update_unchanged(compose, tmp_path,
     (rows_skip, w_skip), (rows_all, w_all) = runs[True], runs[False]
     rows = [r["num_rows_trained"] for r in rows_skip]
     assert [r["num_rows_trained"] for r in rows_all] == [16] * 3
-    assert rows == [round(16 * (1 - r["frac_reward_zero_std"])) for r in rows_skip]
+    # Step 1 runs every row (its self-check compares them all); later steps only the groups with signal.
+    assert rows == [16] + [round(16 * (1 - r["frac_reward_zero_std"])) for r in rows_skip[1:]]
     assert min(rows) < 16, rows  # some groups were skipped (the fixture's seed has them)
     for a, b in zip(rows_skip, rows_all):
         for key in ("reward", "reward_std", "frac_reward_zero_std", "loss", "grad_norm", "kl"):

@@ -909,7 +909,15 @@ def test_non_finite_weights_are_never_saved(compose, tmp_path, monkeypatch, one_
 def test_diverged_run_exits_3_with_a_diagnosis(tmp_path, tiny_folder):
     run_dir = tmp_path / "run"
     res = grpo(
-        SMALL + LENGTH + ["trainer.max_steps=8", "trainer.max_bad_steps=2", f"hydra.run.dir={run_dir}"],
+        # (The fault counts loss calls, one per step: no zero-std group may skip its step's.)
+        SMALL
+        + LENGTH
+        + [
+            "trainer.max_steps=8",
+            "trainer.max_bad_steps=2",
+            "trainer.skip_zero_std=false",
+            f"hydra.run.dir={run_dir}",
+        ],
         tmp_path,
         fault="nan_loss_from:2",
     )
