@@ -172,8 +172,7 @@ def _sample_groups(cfg: Config, parts, phase, step: int, examples, indices, judg
     pad_id = parts.tokenizer.pad_token_id
     groups, scored = [], _Scored(None, [], {}, [], {})
     for pool in pools:
-        totals = [v for _, round_totals, _ in pool for v in round_totals]
-        per_reward = {name: [v for _, _, pr in pool for v in pr[name]] for name in pool[0][2]}
+        totals, per_reward = _pooled(pool)
         chosen = balanced_group(passes(per_reward, totals, judge), G)
         rollout = concat([r for r, _, _ in pool], pad_id)
         groups.append(select(rollout, torch.tensor(chosen)))
@@ -188,10 +187,15 @@ def _sample_groups(cfg: Config, parts, phase, step: int, examples, indices, judg
     return scored
 
 
+def _pooled(pool: list) -> tuple[list[float], dict[str, list]]:
+    """A prompt's rounds joined: every completion's total and per-reward values, in sampling order."""
+    totals = [v for _, round_totals, _ in pool for v in round_totals]
+    return totals, {name: [v for _, _, pr in pool for v in pr[name]] for name in pool[0][2]}
+
+
 def _mixed(pool: list, judge: str | None) -> bool:
     """Whether a prompt's completions so far hold both a pass and a fail."""
-    totals = [v for _, round_totals, _ in pool for v in round_totals]
-    per_reward = {name: [v for _, _, pr in pool for v in pr[name]] for name in pool[0][2]}
+    totals, per_reward = _pooled(pool)
     return len(set(passes(per_reward, totals, judge))) == 2
 
 
