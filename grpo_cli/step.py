@@ -62,11 +62,11 @@ class _Scored:
     """One rank's sampled prompts: the rollout of their training groups (G rows each) with those
     rows' totals and per-reward values, and every completion sampled (the pool: all rounds)."""
 
-    rollout: Rollout
-    totals: list[float]
-    per_reward: dict[str, list]
-    pool_totals: list[float]
-    pool_per_reward: dict[str, list]
+    rollout: Rollout | None = None
+    totals: list[float] = field(default_factory=list)
+    per_reward: dict[str, list] = field(default_factory=dict)
+    pool_totals: list[float] = field(default_factory=list)
+    pool_per_reward: dict[str, list] = field(default_factory=dict)
     resampled: int = 0
     rescued: int = 0
 
@@ -170,10 +170,11 @@ def _sample_groups(cfg: Config, parts, phase, step: int, examples, indices, judg
     if not examples:
         return None
     pad_id = parts.tokenizer.pad_token_id
-    groups, scored = [], _Scored(None, [], {}, [], {})
+    groups, scored = [], _Scored()
     for pool in pools:
         totals, per_reward = _pooled(pool)
-        chosen = balanced_group(passes(per_reward, totals, judge), G)
+        passed = passes(per_reward, totals, judge)
+        chosen = balanced_group(passed, G)
         rollout = concat([r for r, _, _ in pool], pad_id)
         groups.append(select(rollout, torch.tensor(chosen)))
         scored.totals += [totals[i] for i in chosen]
@@ -182,7 +183,7 @@ def _sample_groups(cfg: Config, parts, phase, step: int, examples, indices, judg
             scored.pool_per_reward.setdefault(name, []).extend(values)
         scored.pool_totals += totals
         scored.resampled += len(pool) > 1
-        scored.rescued += len(pool) > 1 and _mixed(pool, judge)
+        scored.rescued += len(pool) > 1 and len(set(passed)) == 2
     scored.rollout = concat(groups, pad_id)
     return scored
 
@@ -220,7 +221,7 @@ def _gather_scored(d, scored: _Scored | None, device, pad_id: int) -> _Scored:
     if scored is not None:
         scored.rollout = scored.rollout.to("cpu")
     parts = [p for p in d.gather(scored) if p is not None]
-    joined = _Scored(concat([p.rollout for p in parts], pad_id).to(device), [], {}, [], {})
+    joined = _Scored(concat([p.rollout for p in parts], pad_id).to(device))
     for p in parts:
         joined.totals += p.totals
         joined.pool_totals += p.pool_totals
