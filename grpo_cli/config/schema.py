@@ -107,6 +107,11 @@ class SamplerConfig:
     # on a CPU, where compiling SmolLM2-135M adds ~80 s to the engine's start and saves ~10% of a
     # rollout (~0.3 s at 4 x 8 x 32 tokens), a loss over a default run; False on a GPU.
     enforce_eager: Optional[bool] = None
+    # Seconds one engine step (the batch's prefill, or one decoded token of every sequence) may
+    # take before the engine counts as stalled: the run stops with one paragraph (the checkpoints
+    # written so far are kept). The slowest step seen here is ~10 s (SmolLM2-135M fp32, 4,096
+    # prefill tokens on 2 cores); 300 leaves room for a 1.5B model on a CPU. 0: no limit.
+    stall_timeout: float = 300.0
 
 
 @dataclass

@@ -226,7 +226,14 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
 
 
 # The sampler keys only sampler.backend=vllm reads (unused_settings rejects them under builtin).
-VLLM_KEYS = ("gpu_memory_utilization", "sleep_mode", "max_model_len", "kv_cache_gib", "enforce_eager")
+VLLM_KEYS = (
+    "gpu_memory_utilization",
+    "sleep_mode",
+    "max_model_len",
+    "kv_cache_gib",
+    "enforce_eager",
+    "stall_timeout",
+)
 
 
 def vllm_install_command(device: str) -> str:
@@ -272,6 +279,11 @@ def _validate_vllm(cfg: Any, world_size: int) -> list[str]:
     if not s.kv_cache_gib > 0:
         problems.append(
             f"sampler.kv_cache_gib={s.kv_cache_gib} must be > 0 (GiB of KV cache on a CPU); e.g. 1."
+        )
+    if not s.stall_timeout >= 0:
+        problems.append(
+            f"sampler.stall_timeout={s.stall_timeout} must be >= 0 (seconds one engine step may take "
+            "before the run stops as stalled); 300 is the default, 0 turns the limit off."
         )
     need = s.max_prompt_length + s.max_new_tokens
     if s.max_model_len is not None and s.max_model_len < need:

@@ -22,13 +22,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
+import sys
 import tempfile
+import threading
+import time
 import warnings
 
 import torch
 
 from grpo_cli.config.validation import vllm_install_command
-from grpo_cli.errors import UserError
+from grpo_cli.errors import EXIT_USER_ERROR, UserError
 from grpo_cli.rollout import Rollout
 from grpo_cli.samplers.builtin import left_pad
 
@@ -119,6 +123,77 @@ def named_weights(policy):
         yield name.replace(".base_layer.", "."), param.detach()
 
 
+class EngineStalled(UserError):
+    """An engine step took longer than sampler.stall_timeout (exit 2, one paragraph)."""
+
+
+def stalled_message(seconds: float, what: str) -> str:
+    return (
+        f"sampler.backend=vllm: the vLLM engine stalled: one engine step ({what}) took more than "
+        f"sampler.stall_timeout={seconds:g} s, so the run stops (the checkpoints written so far are kept: "
+        "resume with trainer.resume=auto). On a CPU this happens when another program keeps the cores "
+        "busy: vLLM's CPU kernels spin on every core they were given, and slow down many times over when "
+        "they must share them. Run it alone, give it fewer threads (OMP_NUM_THREADS), raise "
+        "sampler.stall_timeout for a model this slow (0 turns the limit off), or choose sampler=default."
+    )
+
+
+class _StallGuard:
+    """Within the block, every step of the engine must finish within `seconds` (the engine's own
+    step function is wrapped to time each one). A step that takes longer raises EngineStalled in
+    the main thread as soon as it returns to Python (SIGALRM); one that never returns (a kernel
+    that hangs cannot be interrupted) ends the process `seconds` later with the same paragraph.
+    seconds=0, or a thread other than the main one: no limit."""
+
+    def __init__(self, engine, seconds: float, what: str):
+        self.engine, self.seconds, self.what = engine, seconds, what
+        self.on = seconds > 0 and threading.current_thread() is threading.main_thread()
+
+    def __enter__(self):
+        if not self.on:
+            return self
+        step, self._deadline, self._done = self.engine.step, None, threading.Event()
+
+        def timed_step():
+            self._arm()
+            try:
+                return step()
+            finally:
+                self._deadline = None
+                signal.setitimer(signal.ITIMER_REAL, 0)
+
+        self._before = self.engine.__dict__.get("step")  # (none: the class's own step)
+        self.engine.step = timed_step  # an attribute of this engine object only, undone on exit
+        self._previous = signal.signal(signal.SIGALRM, self._alarm)
+        threading.Thread(target=self._watch, daemon=True, name="vllm-stall-guard").start()
+        return self
+
+    def _arm(self) -> None:
+        self._deadline = time.monotonic() + 2 * self.seconds  # the hard limit, for the watcher
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)  # the soft one, in this thread
+
+    def _alarm(self, signum, frame):
+        raise EngineStalled(stalled_message(self.seconds, self.what))
+
+    def _watch(self) -> None:
+        while not self._done.wait(1.0):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"grpo-cli: {stalled_message(self.seconds, self.what)}", file=sys.stderr, flush=True)
+                os._exit(EXIT_USER_ERROR)
+
+    def __exit__(self, *exc):
+        if self.on:
+            self._done.set()
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous)
+            if self._before is None:
+                self.engine.__dict__.pop("step", None)
+            else:
+                self.engine.step = self._before
+        return False
+
+
 class VLLMSampler:
     """samplers.Sampler over a colocated vllm.LLM (sampler.backend=vllm)."""
 
@@ -138,8 +213,17 @@ class VLLMSampler:
             # The engine reads the architecture from a config.json; the weights come from sync().
             _base_model(policy).config.save_pretrained(config_dir)
             kwargs = {}
+            max_model_len = cfg.max_model_len or (cfg.max_prompt_length + cfg.max_new_tokens)
             if self.device.type == "cpu":
                 kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
+                # A prompt prefilled in chunks draws (and discards) a token per chunk, and vLLM
+                # 0.32's CPU runner then rewinds the request's generator by an offset a CPU
+                # generator does not have: a seeded request crashes ("CPU Generator does not use
+                # offset") once a call's prompts exceed the 4,096-token step budget (20 prompts of
+                # 200 tokens, 8 completions each). Without chunked prefill a prompt waits for a
+                # step with room for it whole.
+                kwargs["enable_chunked_prefill"] = False
+                kwargs["max_num_batched_tokens"] = max(4096, max_model_len)
             else:
                 kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
                 kwargs["enable_sleep_mode"] = cfg.sleep_mode
@@ -152,7 +236,7 @@ class VLLMSampler:
                         skip_tokenizer_init=True,  # token ids in, token ids out
                         generation_config="vllm",  # none of the model's generation_config defaults
                         dtype=_DTYPES[precision.name],
-                        max_model_len=cfg.max_model_len or (cfg.max_prompt_length + cfg.max_new_tokens),
+                        max_model_len=max_model_len,
                         logprobs_mode="processed_logprobs",
                         enable_prefix_caching=True,
                         enforce_eager=(
@@ -239,9 +323,12 @@ class VLLMSampler:
             )
             for b in range(len(prompts))
         ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-        )
+        with _StallGuard(
+            self.llm.llm_engine, s.stall_timeout, what=f"{len(prompts)} prompts x {num_generations}"
+        ):
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+            )
         if s.sleep_mode and self.device.type == "cuda":
             # The update runs without the KV cache, the weights in host memory (woken before the
             # sync and the next generation). Level 1, not 2: a step that skips its update (no
