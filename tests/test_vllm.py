@@ -324,3 +324,206 @@ def test_an_engine_that_cannot_run_the_model_is_one_paragraph_before_training(tm
     assert "the vLLM engine failed to start" in out and "head size of at least 32" in out
     assert "Traceback" not in out
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- the draws (issue #39)
+
+
+@pytest.fixture(scope="module")
+def sharp(policy):
+    """tiny32 with its weights scaled up 3x: its next-token distributions hold most of their mass
+    on ~20 tokens (the random init spreads it thin), so counts tell distributions apart."""
+    import copy
+
+    model = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model.eval()
+
+
+def _logits(model, rollout, temperature=1.0):
+    """The trainer's logits [B, C, V] that score each sampled token (logits at t score token t)."""
+    from grpo_cli.logprobs import _forward_logits
+
+    with torch.no_grad():
+        return _forward_logits(model, *rollout.inputs()).float() / temperature
+
+
+def _seeds(n: int, start: int = 0) -> list[int]:
+    """Seeds far apart: vLLM gives a request's n completions the seeds seed, seed + 1, ..., so
+    consecutive request seeds would share completions."""
+    return [(start + i) * 100_003 for i in range(n)]
+
+
+def test_draws_come_from_the_policy_distribution(sharp):
+    """vLLM's draws, fp32: the first token of 4,000 completions of one prompt passes a chi-square
+    test against the softmax of the policy's logits, and the ranks of the sampled tokens at every
+    position of 960 completions fit the policy's distributions there. Draws at temperature 1.25
+    fail both tests (asserted: the tests can see a biased draw)."""
+    from dataclasses import replace
+
+    from distribution_helpers import chi2_fits, fits, rank_categories
+
+    from grpo_cli.config.schema import SamplerConfig
+    from grpo_cli.samplers.vllm import VLLMSampler
+
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=6, kv_cache_gib=0.25)
+    sampler = VLLMSampler(cfg, sharp, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
+    try:
+        with torch.no_grad():
+            p = sharp(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1].float().softmax(-1)
+        V = p.shape[0]
+        hot, draws = {}, {}
+        for temperature in (1.0, 1.25):
+            sampler.cfg = replace(cfg, temperature=temperature)
+            first = sampler.generate([PROMPTS[0]] * 50, seeds=_seeds(50), num_generations=80)
+            draws[temperature] = torch.bincount(first.completion_ids[:, 0], minlength=V)
+            r = sampler.generate(PROMPTS * 20, seeds=_seeds(60, 50), num_generations=16)
+            hot[temperature] = rank_categories(_logits(sharp, r), r.completion_ids, r.completion_mask)
+        assert chi2_fits(draws[1.0], p)
+        assert fits(*hot[1.0])
+        assert not chi2_fits(draws[1.25], p)  # the tests can fail
+        assert not fits(*hot[1.25])
+    finally:
+        sampler.close()
+
+
+def test_prompts_beyond_one_step_budget_sample_with_seeds(engine):
+    """20 prompts of 200 tokens x 8 completions, seeded: more than one engine step's 4,096 tokens.
+    vLLM 0.32's CPU runner crashed on such a call ("CPU Generator does not use offset": a prompt
+    prefilled in chunks rewinds a generator a CPU one cannot); the sampler turns chunked prefill
+    off on a CPU. Each prompt's completions are those it draws alone."""
+    prompts = [[1] + [3 + (i * 7 + j) % 97 for j in range(199)] for i in range(20)]
+    r = engine.generate(prompts, seeds=_seeds(20), num_generations=8)
+    assert r.completion_ids.shape[0] == 160
+    alone = engine.generate(prompts[13:14], seeds=_seeds(1, 13), num_generations=8)
+    C = alone.completion_ids.shape[1]
+    assert torch.equal(r.completion_ids[13 * 8 : 14 * 8, :C], alone.completion_ids)
+
+
+def test_a_stalled_engine_step_stops_with_one_paragraph(engine, monkeypatch):
+    """An engine step slower than sampler.stall_timeout raises EngineStalled (a UserError: one
+    paragraph, exit 2) naming the key and the likely cause; the engine's step is restored after."""
+    import time
+    from dataclasses import replace
+
+    from grpo_cli.samplers.vllm import EngineStalled
+
+    step = engine.llm.llm_engine.step
+
+    def slow_step():
+        time.sleep(3)
+        return step()
+
+    monkeypatch.setattr(engine, "cfg", replace(engine.cfg, stall_timeout=1))
+    monkeypatch.setattr(engine.llm.llm_engine, "step", slow_step)
+    with pytest.raises(EngineStalled) as err:
+        engine.generate(PROMPTS, seeds=[1, 2, 3], num_generations=2)
+    assert "sampler.stall_timeout=1 s" in str(err.value) and "another program" in str(err.value)
+    monkeypatch.undo()
+    assert engine.llm.llm_engine.step == step
+
+
+def test_an_engine_step_that_never_returns_ends_the_process_with_the_paragraph(tmp_path):
+    """A step stuck where no Python code runs (here: SIGALRM blocked, as in a kernel that never
+    returns) cannot be interrupted: the guard's watcher ends the process twice the limit later,
+    exit 2, with the same paragraph and no traceback (the step sleeps an hour)."""
+    import sys
+
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import signal, time, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from grpo_cli.config.schema import SamplerConfig\n"
+        "from grpo_cli.models import BUILTINS\n"
+        "from grpo_cli.precision import resolve_precision\n"
+        "from grpo_cli.samplers.vllm import VLLMSampler\n"
+        "policy = AutoModelForCausalLM.from_pretrained(BUILTINS['tiny32'](), dtype=torch.float32)\n"
+        "cfg = SamplerConfig(backend='vllm', max_new_tokens=4, kv_cache_gib=0.25, stall_timeout=1)\n"
+        "precision = resolve_precision('fp32', torch.device('cpu'), adapted=False)\n"
+        "s = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=precision, seed=0)\n"
+        "def stuck():\n"
+        "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n"
+        "    time.sleep(3600)\n"
+        "s.llm.llm_engine.step = stuck\n"
+        "s.generate([[1, 5, 6]], seeds=[1], num_generations=2)\n"
+        "print('returned')\n"
+    )
+    res = run_cli([sys.executable, str(script)], tmp_path, timeout=300)  # (a hang: TimeoutExpired)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "the vLLM engine stalled" in out and "returned" not in out and "Traceback" not in out
+
+
+def _vllm_own_ranks(sampler, prompts, seeds, G: int, K: int = 10):
+    """(observed, expected) rank categories of vLLM's draws against the distribution vLLM itself
+    reports at each position (its top-K log-probs: what it drew from, whatever its numerics)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [
+        SamplingParams(
+            n=G,
+            max_tokens=sampler.cfg.max_new_tokens,
+            seed=seed,
+            logprobs=K,
+            ignore_eos=True,
+            stop_token_ids=sampler.eos_ids,
+            detokenize=False,
+        )
+        for seed in seeds
+    ]
+    outputs = sampler.llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
+    observed = torch.zeros(K + 1, dtype=torch.float64)
+    expected = torch.zeros(K + 1, dtype=torch.float64)
+    for out in outputs:
+        for c in out.outputs:
+            for token, top in zip(c.token_ids, c.logprobs):
+                mass = (
+                    torch.tensor(sorted((v.logprob for v in top.values()), reverse=True)[:K]).double().exp()
+                )
+                expected += torch.cat([mass, (1 - mass.sum()).clamp(min=0)[None]])
+                observed[min(top[token].rank - 1, K)] += 1  # (vLLM's ranks count from 1)
+    return observed, expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_default_model_draws_come_from_its_distribution(precision):
+    """SmolLM2-135M (the default model's offline copy), the default recipe's prompts: vLLM's draws
+    fit the distribution vLLM reports at every position (both precisions); in fp32 they also fit
+    the policy's own distribution, the trainer's forward (first token of 1,600 completions of one
+    prompt against its softmax, and the ranks at every position of 16 prompts x 8). (In bf16 the
+    trainer's forward and vLLM's round differently: the gap TIS corrects.)"""
+    from distribution_helpers import chi2_fits, fits, rank_categories
+
+    from grpo_cli.build import build_data, build_tokenizer, eos_token_ids, load_policy, read_data
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.precision import resolve_precision
+    from grpo_cli.samplers.vllm import VLLMSampler
+
+    cfg = typed_config(["sampler=vllm", f"trainer.precision={precision}"])
+    device = torch.device("cpu")
+    prec = resolve_precision(precision, device, adapted=False)
+    source, tok = build_tokenizer(cfg, lambda *a: None)
+    examples = build_data(cfg, read_data(cfg), tok).eval[:16]
+    policy = load_policy(cfg, source, device, prec, trainable=False)
+    eos = eos_token_ids(tok, policy)
+    sampler = VLLMSampler(cfg.sampler, policy, eos_ids=eos, pad_id=tok.pad_token_id, precision=prec, seed=0)
+    try:
+        prompts = [ex.prompt_ids for ex in examples]
+        assert fits(*_vllm_own_ranks(sampler, prompts, _seeds(16), G=8))
+        if precision == "fp32":
+            r = sampler.generate(prompts, seeds=_seeds(16, 16), num_generations=8)
+            assert fits(*rank_categories(_logits(policy, r), r.completion_ids, r.completion_mask))
+            short = tok("What is 7 plus 5?")["input_ids"]  # a short prompt: 1,600 draws cost little
+            with torch.no_grad():
+                p = policy(input_ids=torch.tensor([short])).logits[0, -1].float().softmax(-1)
+            sampler.cfg.max_new_tokens = 1
+            first = sampler.generate([short] * 20, seeds=_seeds(20, 32), num_generations=80)
+            assert chi2_fits(torch.bincount(first.completion_ids[:, 0], minlength=p.shape[0]), p)
+    finally:
+        sampler.close()
