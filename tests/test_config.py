@@ -17,10 +17,10 @@ OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml")
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_shipped_option_composes(compose, group, option, monkeypatch):
-    if (group, option) == ("sampler", "vllm"):  # validation looks vLLM up (tests/test_vllm.py runs it)
-        import grpo_cli.config.validation as validation
+    if (group, option) == ("sampler", "vllm"):  # its validation looks vLLM up (tests/test_vllm.py runs it)
+        import grpo_cli.samplers.vllm as vllm_backend
 
-        monkeypatch.setattr(validation, "find_spec", lambda name: object())
+        monkeypatch.setattr(vllm_backend, "find_spec", lambda name: object())
     override = f"{group}=[{option}]" if group == "reward" else f"{group}={option}"
     extra = ["data.path=x.jsonl"] if (group, option) == ("data", "jsonl") else []
     cfg = compose([override] + extra)
@@ -500,9 +500,9 @@ def test_a_checkpoints_config_is_not_held_to_its_runs_trackers_or_ignored_keys(t
 
 @pytest.fixture
 def vllm_installed(monkeypatch):
-    import grpo_cli.config.validation as validation
+    import grpo_cli.samplers.vllm as vllm_backend
 
-    monkeypatch.setattr(validation, "find_spec", lambda name: object())
+    monkeypatch.setattr(vllm_backend, "find_spec", lambda name: object())
 
 
 VLLM_CASES = [
@@ -527,9 +527,9 @@ def test_what_the_vllm_sampler_cannot_run_is_refused_before_loading(
 
 
 def test_vllm_missing_is_one_paragraph_with_the_install_command(compose, monkeypatch):
-    import grpo_cli.config.validation as validation
+    import grpo_cli.samplers.vllm as vllm_backend
 
-    monkeypatch.setattr(validation, "find_spec", lambda name: None if name == "vllm" else object())
+    monkeypatch.setattr(vllm_backend, "find_spec", lambda name: None if name == "vllm" else object())
     problems = validate(compose(["sampler=vllm"]))
     assert len(problems) == 1, problems
     assert "vLLM is not installed" in problems[0]
@@ -546,3 +546,27 @@ def test_sampler_correction_auto_is_tis_under_vllm_and_none_under_builtin(compos
         to_typed(compose(["sampler=vllm", "loss.sampler_correction=none"])).loss.sampler_correction == "none"
     )
     assert validate(compose(["sampler=vllm", "loss.tis_cap=3"])) == []  # auto is tis there: the cap is read
+
+
+def test_each_sampler_backend_is_a_module_with_its_keys_and_a_preset():
+    """A backend plugs in as one module of grpo_cli/samplers/ (KEYS, validate, build) and one
+    preset: the package lists it by file name and asks nothing else of the rest of the code."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from grpo_cli import samplers
+    from grpo_cli.config.schema import SamplerConfig
+
+    assert set(samplers.BACKENDS) == {"builtin", "vllm"}
+    fields = {f.name for f in dataclasses.fields(SamplerConfig)}
+    presets = {
+        OmegaConf.load(p).get("backend", SamplerConfig().backend) for p in (CONF / "sampler").glob("*.yaml")
+    }
+    for name in samplers.BACKENDS:
+        module = samplers.backend(name)
+        assert callable(module.validate) and callable(module.build), name
+        assert set(module.KEYS) <= fields, (name, set(module.KEYS) - fields)
+        assert name in presets, f"no conf/sampler/*.yaml sets backend: {name}"
+    assert set(samplers.foreign_keys("builtin")) == set(samplers.backend("vllm").KEYS)
+    assert samplers.foreign_keys("vllm") == ()

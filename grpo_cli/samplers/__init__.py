@@ -5,19 +5,27 @@ grpo-train's evaluation and grpo-eval all sample through it.
     builtin   the exact decode loop over the policy itself (samplers/builtin.py)
     vllm      a colocated vLLM engine, its weights synced after every update (samplers/vllm.py)
 
-A backend is one module here, a name in BACKENDS, a branch in build_sampler, its keys in
-config.SamplerConfig (rejected under the other backends) and a preset in conf/sampler/.
+A backend is one module here (its file name is its `sampler.backend` name) and a preset in
+conf/sampler/. The module declares what the package asks of it:
+
+    KEYS                     the SamplerConfig keys only this backend reads (validation rejects them
+                             under the other backends); a new key also needs its default there
+    validate(cfg, world_size) -> list[str]   its keys' values, what it cannot run with, its install
+    build(cfg, policy, *, eos_ids, pad_id, precision, fast_decode, seed) -> Sampler
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:  # (config validation imports BACKENDS before torch is imported)
+if TYPE_CHECKING:
     from grpo_cli.rollout import Rollout
 
-BACKENDS = ("builtin", "vllm")
+# Every module of this package is a backend, named by its file (no import needed to list them).
+BACKENDS = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
 
 
 class Sampler(Protocol):
@@ -53,19 +61,29 @@ class Sampler(Protocol):
         """Free what the sampler holds (at the end of a run, and of each sweep job)."""
 
 
+def backend(name: str):
+    """The module of backend `name` (one of BACKENDS; validation rejects other names first)."""
+    if name not in BACKENDS:
+        raise ValueError(f"sampler.backend={name!r}: choose one of {', '.join(BACKENDS)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def validate(cfg, world_size: int) -> list[str]:
+    """The chosen backend's own checks of the whole config (cfg.sampler.backend is valid)."""
+    return backend(cfg.sampler.backend).validate(cfg, world_size)
+
+
+def foreign_keys(chosen: str) -> tuple[str, ...]:
+    """The sampler keys that other backends read and `chosen` does not."""
+    mine = set(backend(chosen).KEYS)
+    return tuple(k for name in BACKENDS if name != chosen for k in backend(name).KEYS if k not in mine)
+
+
 def build_sampler(
     cfg, policy, *, eos_ids: list[int], pad_id: int, precision, fast_decode: bool, seed: int = 0
 ) -> Sampler:
-    """The sampler that cfg.backend names (config.SamplerConfig; validation rejects other names).
-    seed: the engine's own seed (vLLM: for requests without one; the built-in sampler has none)."""
-    if cfg.backend == "vllm":
-        from grpo_cli.samplers.vllm import VLLMSampler
-
-        return VLLMSampler(cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, seed=seed)
-    if cfg.backend == "builtin":
-        from grpo_cli.samplers.builtin import BuiltinSampler
-
-        return BuiltinSampler(
-            cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, fast_decode=fast_decode
-        )
-    raise ValueError(f"sampler.backend={cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
+    """The sampler that cfg.backend names. seed: the engine's own seed (vLLM: for requests
+    without one; the built-in sampler has none)."""
+    return backend(cfg.backend).build(
+        cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, fast_decode=fast_decode, seed=seed
+    )

@@ -35,6 +35,22 @@ from grpo_cli.rollout import Rollout
 TOLERANCE = {"fp32": (1e-4, 5e-4), "bf16": (0.1, 1.0), "bf16-autocast": (0.1, 1.0), "fp16": (0.1, 1.0)}
 
 
+# The SamplerConfig keys only this backend reads: none (it reads the shared ones).
+KEYS: tuple[str, ...] = ()
+
+
+def validate(cfg, world_size: int) -> list[str]:
+    """Nothing of its own to check: the shared sampler keys are validated for every backend."""
+    return []
+
+
+def build(cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool, seed: int = 0) -> BuiltinSampler:
+    """The sampler (its draws are seeded per request through generate's seeds, so `seed` is unused)."""
+    return BuiltinSampler(
+        cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, fast_decode=fast_decode
+    )
+
+
 class BuiltinSampler:
     """samplers.Sampler over the policy itself (sampler.backend=builtin)."""
 

