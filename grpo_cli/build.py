@@ -23,6 +23,7 @@ from grpo_cli.config import Config, DataConfig
 from grpo_cli.data import Example, PromptStream, arithmetic_wide_rows, build_prompts, read_rows, to_examples
 from grpo_cli.distributed import Dist, shard_model, wrap_scorer
 from grpo_cli.errors import UserError, first_line
+from grpo_cli.evaluate import check_group_by
 from grpo_cli.logprobs import TokenLogprobs
 from grpo_cli.models import (
     TESTED_MODEL_TYPES,
@@ -347,6 +348,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
     )
     data = build_data(cfg, (train_rows, eval_rows), tokenizer)
+    check_group_by(cfg.data.eval_group_by, data.eval, default=DataConfig().eval_group_by)
     wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)
     console.print(_data_summary(cfg, data, wide_eval))
 

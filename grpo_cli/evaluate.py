@@ -1,11 +1,16 @@
-"""Held-out evaluation: greedy (default) or sampled completions, scored by the configured rewards."""
+"""Held-out evaluation, the one evaluator of grpo-train and grpo-eval: `grade` samples G
+completions of each prompt (greedy or with the sampler's settings) and scores them with the
+configured rewards; `evaluate` (grpo-train's eval/ metrics) and grpo-eval report from its grades."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from grpo_cli.data import Example
-from grpo_cli.rewards import as_reward_input, correctness, score_rewards
+from grpo_cli.errors import UserError
+from grpo_cli.rewards import as_reward_input, correctness, passes, score_rewards
 
 # transformers 4.x's clean-up of tokenization spaces (PreTrainedTokenizerBase.clean_up_tokenization).
 _SPACE_CLEANUP = (
@@ -62,6 +67,47 @@ def score_examples(rewards, tokenizer, examples: list[Example], rollout, num_gen
     return texts, total, per_reward
 
 
+@dataclass(frozen=True)
+class Graded:
+    """One prompt's completions, scored: per completion the weighted total, whether it passes
+    (rewards.passes), the correctness reward's value (None: none configured, or not applicable)
+    and the completion's length in tokens."""
+
+    example: Example
+    totals: list[float]
+    passed: list[bool]
+    correct: list[float | None]
+    lengths: list[int]
+
+
+def grade(
+    sampler,
+    tokenizer,
+    examples: list[Example],
+    rewards,
+    *,
+    num_generations: int = 1,
+    greedy: bool = True,
+    prompts_per_call: int = 32,
+) -> list[Graded]:
+    """Each example's `num_generations` completions from `sampler` (a samplers.Sampler; greedy:
+    argmax), `prompts_per_call` prompts to one generate call, scored by `rewards`."""
+    judge = correctness(rewards)
+    out, G = [], num_generations
+    with sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
+        for start in range(0, len(examples), prompts_per_call):
+            chunk = examples[start : start + prompts_per_call]
+            rollout = sampler.generate([ex.prompt_ids for ex in chunk], num_generations=G, greedy=greedy)
+            _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout, G)
+            passed = passes(per_reward, total, judge.name if judge else None)
+            correct = per_reward[judge.name] if judge else [None] * len(total)
+            lengths = rollout.lengths.tolist()
+            for g, ex in enumerate(chunk):
+                rows = slice(g * G, (g + 1) * G)
+                out.append(Graded(ex, total[rows], passed[rows], list(correct[rows]), lengths[rows]))
+    return out
+
+
 def evaluate(
     sampler,
     tokenizer,
@@ -81,33 +127,27 @@ def evaluate(
     same list on every process). `prefix` names the set (eval, eval_wide).
     reduce: sums a list of floats over the processes that evaluate a shard each
     (distributed.Dist.sum): the means are then over every shard."""
-    judge = correctness(rewards)
-    totals, accuracy = [], []
-    by_group = {g: [0.0, 0] for g in groups}  # value -> [accuracy sum, count]
-    with sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start : start + batch_size]
-            rollout = sampler.generate([ex.prompt_ids for ex in chunk], num_generations=1, greedy=True)
-            _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout, 1)
-            totals += total
-            if judge is not None:
-                accuracy += [v for v in per_reward[judge.name] if v is not None]
-                for ex, v in zip(chunk, per_reward[judge.name]):
-                    group = str(ex.columns.get(group_by)) if group_by else None
-                    if v is not None and group in by_group:
-                        by_group[group][0] += v
-                        by_group[group][1] += 1
+    graded = grade(sampler, tokenizer, examples, rewards, prompts_per_call=batch_size)
+    totals = [t for g in graded for t in g.totals]
+    accuracy = [v for g in graded for v in g.correct if v is not None]
+    by_group = {name: [0.0, 0] for name in groups}  # value -> [accuracy sum, count]
+    for g in graded:
+        group = str(g.example.columns.get(group_by)) if group_by else None
+        for v in g.correct:
+            if v is not None and group in by_group:
+                by_group[group][0] += v
+                by_group[group][1] += 1
     sums = [sum(totals), len(totals), sum(accuracy), len(accuracy)]
-    sums += [x for g in groups for x in by_group[g]]
+    sums += [x for name in groups for x in by_group[name]]
     sums = reduce(sums) if reduce else sums
     reward_sum, reward_n, accuracy_sum, accuracy_n = sums[:4]
     out = {f"{prefix}/reward": reward_sum / max(reward_n, 1)}
     if accuracy_n:
         out[f"{prefix}/accuracy"] = accuracy_sum / accuracy_n
-    for i, g in enumerate(groups):
+    for i, name in enumerate(groups):
         total, n = sums[4 + 2 * i : 6 + 2 * i]
         if n:
-            out[f"{prefix}/accuracy/{g}"] = total / n
+            out[f"{prefix}/accuracy/{name}"] = total / n
     return out
 
 
@@ -120,3 +160,25 @@ def group_values(examples: list[Example], column: str | None) -> list[str]:
 
 
 MAX_GROUPS = 20
+
+
+def check_group_by(column: str | None, examples: list[Example], *, default: str | None) -> None:
+    """data.eval_group_by must name a column of the held-out rows with at most MAX_GROUPS values,
+    or the breakdown would silently be empty. The default (`kind`, the built-in arithmetic's) is
+    let pass on data that lacks it: no breakdown then, as for null."""
+    if not column or column == default or not examples:
+        return
+    values = {str(ex.columns[column]) for ex in examples if column in ex.columns}
+    if not values:
+        known = sorted({k for ex in examples for k in ex.columns})
+        raise UserError(
+            f"data.eval_group_by={column!r} is not a column of the held-out rows (they have: "
+            f"{', '.join(known) or 'no columns besides the prompt'}), so no per-group accuracy could be "
+            f"reported: set data.eval_group_by to one of those columns, or null for no breakdown."
+        )
+    if len(values) > MAX_GROUPS:
+        raise UserError(
+            f"data.eval_group_by={column!r} has {len(values)} different values in the held-out rows (at most "
+            f"{MAX_GROUPS} make a breakdown; a per-row id or a free-text column does not): choose a column "
+            "with a few values (a category, a difficulty), or null for no breakdown."
+        )

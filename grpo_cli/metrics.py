@@ -267,10 +267,6 @@ def _write_error(path: Path, exc: OSError) -> UserError:
     )
 
 
-def all_finite(row: dict[str, Any]) -> bool:
-    return all(math.isfinite(v) for v in row.values() if isinstance(v, float))
-
-
 # ----------------------------------------------------------------------------- a step's row
 
 LOSS_STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean")

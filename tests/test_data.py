@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -261,3 +262,31 @@ def test_completions_decode_the_same_under_every_transformers_version(tok, clean
         assert decode_completions(tok, ids, torch.ones_like(ids)) == [expected]
     finally:
         tok.clean_up_tokenization_spaces = original
+
+
+GROUP_BY_CASES = [  # (column, the held-out rows' columns, error text or None)
+    ("kind", [{"answer": 1}], None),  # the default: data without it gets no breakdown, no error
+    (None, [{"answer": 1}], None),
+    ("level", [{"level": "easy"}, {"level": "hard"}], None),
+    (
+        "nosuch",
+        [{"answer": 1}],
+        "data.eval_group_by='nosuch' is not a column of the held-out rows (they have: answer)",
+    ),
+    ("id", [{"id": i} for i in range(21)], "has 21 different values"),
+]
+
+
+@pytest.mark.parametrize(
+    "column,rows,error", GROUP_BY_CASES, ids=[str(c[0]) + "-" + str(c[2] is None) for c in GROUP_BY_CASES]
+)
+def test_eval_group_by_is_checked_against_the_held_out_rows(column, rows, error):
+    from grpo_cli.data import Example
+    from grpo_cli.evaluate import check_group_by
+
+    examples = [Example(prompt="p", prompt_ids=[1], columns=c) for c in rows]
+    if error is None:
+        check_group_by(column, examples, default="kind")
+    else:
+        with pytest.raises(UserError, match=re.escape(error)):
+            check_group_by(column, examples, default="kind")

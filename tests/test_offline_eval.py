@@ -143,3 +143,39 @@ def test_grpo_eval_on_a_checkpoint_uses_its_saved_config(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 5 and "checkpoints/step-000001" in result["model"]
+
+
+def test_grpo_eval_decides_signal_free_groups_by_the_loss_rule():
+    """grpo-eval's frac_all_same_groups is training's zero-std rule (loss.zero_std_groups with
+    loss.std and loss.zero_std_threshold), not a second one of its own."""
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.cli.eval import evaluate_model
+
+    def frac(*overrides):
+        cfg = typed_config(["model=tiny", "data.eval_size=6", "sampler.max_new_tokens=4", *overrides])
+        result = evaluate_model(cfg, samples=3, num_prompts=None, log=lambda *a: None)
+        assert sum(result["pass_rate_histogram"]) == 6
+        return result["frac_all_same_groups"]
+
+    # The length of the text in characters: the tiny model's random tokens make every group's
+    # rewards differ, so the default threshold finds signal and 1e9 (above any std) none.
+    length = ["reward=[length]", "reward.length.unit=chars", "reward.length.target=10"]
+    assert frac(*length) < 1.0
+    assert frac(*length, "loss.zero_std_threshold=1e9") == 1.0
+
+
+def test_eval_group_by_must_name_a_column_of_the_held_out_rows(tmp_path):
+    res = run_cli(
+        [
+            console_script("grpo-train"),
+            "model=tiny",
+            "data.eval_group_by=nosuch_column",
+            "trainer.max_steps=1",
+        ],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    out = res.stdout + res.stderr
+    assert "Traceback" not in out
+    assert "data.eval_group_by='nosuch_column' is not a column of the held-out rows" in out
+    assert "operation" in out  # the columns it has are named

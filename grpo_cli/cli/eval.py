@@ -39,10 +39,13 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         read_data,
         read_wide_eval,
     )
-    from grpo_cli.evaluate import group_values, score_examples
+    from grpo_cli.config.schema import DataConfig
+    from grpo_cli.evaluate import check_group_by, grade, group_values
+    from grpo_cli.loss import zero_std_groups
+    from grpo_cli.metrics import pass_rate_histogram
     from grpo_cli.models import tested_architecture
     from grpo_cli.precision import resolve_device, resolve_precision
-    from grpo_cli.rewards import build_rewards, correctness, passes
+    from grpo_cli.rewards import build_rewards, correctness
     from grpo_cli.samplers import build_sampler
 
     t, s = cfg.trainer, cfg.sampler
@@ -59,6 +62,8 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     wide = wide[:num_prompts] if num_prompts else wide
     if not examples:
         raise UserError("the held-out split is empty; set data.eval_size > 0 (or data.eval_split).")
+    by = cfg.data.eval_group_by
+    check_group_by(by, examples, default=DataConfig().eval_group_by)
     model = load_policy(cfg, source, device, precision, trainable=False)
     sampler = build_sampler(
         s,
@@ -69,85 +74,88 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         fast_decode=tested_architecture(model),
         seed=t.seed,
     )
-    judge = correctness(rewards)
-    pass_rule = judge.name if judge else "reward>0"
-    torch.manual_seed(t.seed)
+    try:
+        judge = correctness(rewards)
+        torch.manual_seed(t.seed)
 
-    def run(group: int, greedy: bool, examples=examples):
-        per_prompt_pass, lengths, totals, batch = [], [], [], max(1, 64 // group)
-        for start in range(0, len(examples), batch):
-            chunk = examples[start : start + batch]
-            r = sampler.generate([ex.prompt_ids for ex in chunk], num_generations=group, greedy=greedy)
-            _, total, per_reward = score_examples(rewards, tokenizer, chunk, r, group)
-            lengths += r.lengths.tolist()
-            totals += total
-            passed = passes(per_reward, total, judge.name if judge else None)
-            for g in range(len(chunk)):
-                rew = total[g * group : (g + 1) * group]
-                per_prompt_pass.append((sum(passed[g * group : (g + 1) * group]), max(rew) - min(rew) < 1e-6))
-        return per_prompt_pass, lengths, totals
-
-    t0 = time.perf_counter()
-    greedy_pass, greedy_len, greedy_reward = run(1, True)
-    result = {
-        "model": source.description + (f" + LoRA adapter {cfg.adapter.path}" if cfg.adapter.path else ""),
-        "num_prompts": len(examples),
-        "pass_metric": pass_rule,
-        "greedy_accuracy": sum(p for p, _ in greedy_pass) / len(examples),
-        "greedy_reward": sum(greedy_reward) / len(greedy_reward),
-        "greedy_mean_length": sum(greedy_len) / len(greedy_len),
-    }
-    by = cfg.data.eval_group_by
-
-    def per_group(name: str, passes: list, examples: list) -> None:  # e.g. greedy_accuracy/minus
-        for value in group_values(examples, by):
-            hits = [p for (p, _), ex in zip(passes, examples) if str(ex.columns.get(by)) == value]
-            result[f"{name}/{value}"] = sum(hits) / len(hits)
-
-    per_group("greedy_accuracy", greedy_pass, examples)
-    if wide:  # the second held-out set: operands outside the training range
-        wide_pass, _, _ = run(1, True, wide)
-        result["wide_num_prompts"] = len(wide)
-        result["wide_greedy_accuracy"] = sum(p for p, _ in wide_pass) / len(wide)
-        per_group("wide_greedy_accuracy", wide_pass, wide)
-    if samples >= 1:
-        G = samples
-        sampled, lengths, totals = run(G, False)
-        hist = [0] * (G + 1)
-        for p, _ in sampled:
-            hist[p] += 1
-        result.update(
-            {
-                "samples_per_prompt": G,
-                "temperature": s.temperature,
-                "pass@1": sum(p for p, _ in sampled) / (G * len(examples)),
-                f"pass@{G}": sum(1 for p, _ in sampled if p > 0) / len(examples),
-                "pass_rate_histogram": hist,
-                "frac_all_same_groups": sum(1 for _, same in sampled if same) / len(examples),
-                "sampled_mean_length": sum(lengths) / len(lengths),
-                "sampled_reward": sum(totals) / len(totals),
-            }
-        )
-        for value in group_values(examples, by):  # per kind: how often it samples a right answer
-            hits = [p for (p, _), ex in zip(sampled, examples) if str(ex.columns.get(by)) == value]
-            result[f"pass@1/{value}"] = sum(hits) / (G * len(hits))
-            result[f"pass@{G}/{value}"] = sum(1 for p in hits if p > 0) / len(hits)
-        rate = result["pass@1"]
-        if rate < 0.10:
-            result["advice"] = (
-                f"pass rate {rate:.0%} is below 10%: most groups will be all wrong (no "
-                "signal). Use easier data, a stronger model, more samples per prompt, or SFT first."
+        def run(group: int, greedy: bool, examples=examples):  # the evaluator of grpo-train too
+            return grade(
+                sampler,
+                tokenizer,
+                examples,
+                rewards,
+                num_generations=group,
+                greedy=greedy,
+                prompts_per_call=max(1, 64 // group),
             )
-        elif rate > 0.90:
-            result["advice"] = (
-                f"pass rate {rate:.0%} is above 90%: most groups will be all right (no "
-                "signal). Use harder data."
+
+        def per_group(name: str, graded: list, G: int = 1) -> None:  # e.g. greedy_accuracy/minus
+            for value in group_values([g.example for g in graded], by):
+                hits = [sum(g.passed) for g in graded if str(g.example.columns.get(by)) == value]
+                result[f"{name}/{value}"] = sum(hits) / (G * len(hits))
+                if G > 1:
+                    result[f"pass@{G}/{value}"] = sum(1 for h in hits if h > 0) / len(hits)
+
+        t0 = time.perf_counter()
+        greedy = run(1, True)
+        result = {
+            "model": source.description + (f" + LoRA adapter {cfg.adapter.path}" if cfg.adapter.path else ""),
+            "num_prompts": len(examples),
+            "pass_metric": judge.name if judge else "reward>0",
+            "greedy_accuracy": sum(g.passed[0] for g in greedy) / len(examples),
+            "greedy_reward": sum(g.totals[0] for g in greedy) / len(greedy),
+            "greedy_mean_length": sum(g.lengths[0] for g in greedy) / len(greedy),
+        }
+        per_group("greedy_accuracy", greedy)
+        if wide:  # the second held-out set: operands outside the training range
+            wide_graded = run(1, True, wide)
+            result["wide_num_prompts"] = len(wide)
+            result["wide_greedy_accuracy"] = sum(g.passed[0] for g in wide_graded) / len(wide)
+            per_group("wide_greedy_accuracy", wide_graded)
+        if samples >= 1:
+            G = samples
+            sampled = run(G, False)
+            totals = [x for g in sampled for x in g.totals]
+            lengths = [x for g in sampled for x in g.lengths]
+            # The rule training uses to drop a group as signal-free (loss.std, loss.zero_std_threshold).
+            same = zero_std_groups(
+                torch.tensor(totals, dtype=torch.float64),
+                G,
+                std=cfg.loss.std,
+                zero_std_threshold=cfg.loss.zero_std_threshold,
             )
-        else:
-            result["advice"] = f"pass rate {rate:.0%} is inside 10%-90%: GRPO should get a learning signal."
-    result["seconds"] = time.perf_counter() - t0
-    sampler.close()
+            result.update(
+                {
+                    "samples_per_prompt": G,
+                    "temperature": s.temperature,
+                    "pass@1": sum(sum(g.passed) for g in sampled) / (G * len(examples)),
+                    f"pass@{G}": sum(1 for g in sampled if any(g.passed)) / len(examples),
+                    "pass_rate_histogram": pass_rate_histogram([x for g in sampled for x in g.passed], G),
+                    "frac_all_same_groups": same.double().mean().item(),
+                    "sampled_mean_length": sum(lengths) / len(lengths),
+                    "sampled_reward": sum(totals) / len(totals),
+                }
+            )
+            per_group("pass@1", sampled, G)  # per kind: how often it samples a right answer
+            result["advice"] = _advice(result["pass@1"])
+        result["seconds"] = time.perf_counter() - t0
+    finally:
+        sampler.close()
     return result
+
+
+def _advice(rate: float) -> str:
+    """Ref 004's pre-training probe: is the sampled pass rate inside 10%-90%?"""
+    if rate < 0.10:
+        return (
+            f"pass rate {rate:.0%} is below 10%: most groups will be all wrong (no "
+            "signal). Use easier data, a stronger model, more samples per prompt, or SFT first."
+        )
+    if rate > 0.90:
+        return (
+            f"pass rate {rate:.0%} is above 90%: most groups will be all right (no signal). Use harder data."
+        )
+    return f"pass rate {rate:.0%} is inside 10%-90%: GRPO should get a learning signal."
 
 
 def print_result(result: dict, console: Console) -> None:
