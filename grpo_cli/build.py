@@ -35,7 +35,7 @@ from grpo_cli.models import (
 )
 from grpo_cli.optim import OptimizerStep, build_optimizer
 from grpo_cli.precision import MasterWeights, Precision, resolve_device, resolve_precision, to_weights_dtype
-from grpo_cli.rewards import RewardSpec, build_rewards
+from grpo_cli.rewards import Rewards, RewardSpec, build_rewards
 from grpo_cli.samplers import Sampler, build_sampler
 
 
@@ -233,7 +233,7 @@ class Parts:
     # policy itself when it has adapters (run under adapters.disabled_adapters).
     ref: Any
     tokenizer: Any
-    rewards: list[RewardSpec]
+    rewards: Rewards  # opened (built on the device); the engine closes them when the run ends
     stream: PromptStream  # training prompts
     eval_examples: list[Example]  # held-out prompts
     wide_eval_examples: list[Example]  # the second held-out set (operands outside training's), or []
@@ -443,6 +443,11 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         fast_decode=fast_paths,
         seed=t.seed,
     )
+    try:  # the rewards that have a build (a reward model) load here, once per process
+        rewards.open(device, d)
+    except BaseException:
+        sampler.close()
+        raise
     return Parts(
         policy=policy,
         ref=ref,

@@ -29,10 +29,11 @@ from grpo_cli.build import Parts
 from grpo_cli.config import Config
 from grpo_cli.distributed import is_sharded, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
-from grpo_cli.evaluate import decode_completions, evaluate, group_values
+from grpo_cli.evaluate import evaluate, group_values
 from grpo_cli.health import HealthMonitor
 from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
 from grpo_cli.optim import StepResult
+from grpo_cli.rewards import decode_completions
 from grpo_cli.rollout import Rollout
 from grpo_cli.samples import step_records
 
@@ -41,8 +42,9 @@ _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=None) -> dict[str, Any]:
     """Train from parts.state.step to parts.total_steps; return the last metrics row. `on_start()`
-    runs right before the first step (grpo-train writes the run record there). The sampler is
-    closed at the end, however the run ends (a sweep's next job starts with its memory free)."""
+    runs right before the first step (grpo-train writes the run record there). The sampler and the
+    rewards are closed at the end, however the run ends (a sweep's next job starts with its memory
+    free)."""
     try:
         return _train(cfg, parts, run_dir, config_yaml, on_start)
     except Interrupted as exc:  # a second signal: the step in progress (or the save) is abandoned
@@ -73,7 +75,10 @@ def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=N
             )
         ) from exc
     finally:
-        parts.sampler.close()
+        try:
+            parts.sampler.close()
+        finally:
+            parts.rewards.close()
 
 
 def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start) -> dict[str, Any]:

@@ -6,65 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from grpo_cli.data import Example
 from grpo_cli.errors import UserError
-from grpo_cli.rewards import as_reward_input, correctness, passes, score_rewards
-
-# transformers 4.x's clean-up of tokenization spaces (PreTrainedTokenizerBase.clean_up_tokenization).
-_SPACE_CLEANUP = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
-
-
-def clean_up_spaces(text: str) -> str:
-    for before, after in _SPACE_CLEANUP:
-        text = text.replace(before, after)
-    return text
-
-
-def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
-    """The completions' text, as the rewards see it. Decoding is explicit so that the text (and so
-    the rewards) does not depend on the transformers version: 4.x applies the tokenizer's
-    `clean_up_tokenization_spaces` setting, 5.x ignores it for BPE tokenizers (SmolLM2's "15 ."
-    instead of "15."). So: decode without the clean-up, then apply 4.x's when the tokenizer asks."""
-    texts = tokenizer.batch_decode(
-        [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)],
-        skip_special_tokens=True,
-        clean_up_tokenization_spaces=False,
-    )
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        texts = [clean_up_spaces(t) for t in texts]
-    return texts
-
-
-def score_examples(rewards, tokenizer, examples: list[Example], rollout, num_generations: int):
-    """Rewards of a rollout whose rows are `num_generations` completions per example, in order;
-    returns (the completions' texts, weighted totals, values per reward)."""
-    texts = decode_completions(tokenizer, rollout.completion_ids, rollout.completion_mask)
-    columns: dict[str, list] = {}
-    for ex in examples:
-        for key, value in ex.columns.items():
-            columns.setdefault(key, []).extend([value] * num_generations)
-    prompts = [ex.prompt for ex in examples for _ in range(num_generations)]
-    completion_ids = [
-        ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
-    ]
-    completions = [as_reward_input(prompt, text) for prompt, text in zip(prompts, texts)]
-    total, per_reward = score_rewards(
-        rewards, completions, prompts=prompts, completion_ids=completion_ids, columns=columns
-    )
-    return texts, total, per_reward
+from grpo_cli.rewards import correctness, passes, score_examples
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from grpo_cli import selfcheck
 from grpo_cli.adapters import disabled_adapters
 from grpo_cli.config import Config
 from grpo_cli.distributed import gradient_sync, is_sharded, prompt_seed, shard
-from grpo_cli.evaluate import score_examples
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
     group_advantages,
@@ -31,7 +30,7 @@ from grpo_cli.loss import (
 )
 from grpo_cli.metrics import UpdateStats
 from grpo_cli.precision import autocast
-from grpo_cli.rewards import correctness, passes
+from grpo_cli.rewards import correctness, passes, score_examples
 from grpo_cli.rollout import Rollout, concat, select
 from grpo_cli.selfcheck import compare_logprobs
 

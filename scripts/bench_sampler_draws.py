@@ -70,10 +70,9 @@ def worker(args) -> None:
     from grpo_cli.build import build_data, build_tokenizer, eos_token_ids, load_policy, read_data
     from grpo_cli.cli.common import typed_config
     from grpo_cli.distributed import prompt_seed
-    from grpo_cli.evaluate import score_examples
     from grpo_cli.logprobs import _forward_logits
     from grpo_cli.precision import autocast, resolve_precision
-    from grpo_cli.rewards import build_rewards, correctness, passes
+    from grpo_cli.rewards import build_rewards, correctness, passes, score_examples
     from grpo_cli.samplers import build_sampler
 
     sys.path.insert(0, str(ROOT / "tests"))

@@ -70,3 +70,39 @@ def no_signal_on_minus(completions, prompts, **kwargs):
     """char_code's values, but 0 for every completion of a "minus" prompt: those groups are
     zero-std, the others carry signal."""
     return [0.0 if "minus" in p else float(sum(map(ord, c)) % 7) for c, p in zip(completions, prompts)]
+
+
+def _lifecycle_log(event: str) -> None:
+    """Appends one line to the file that $GRPO_TEST_LIFECYCLE names (the test reads it)."""
+    import os
+
+    with open(os.environ["GRPO_TEST_LIFECYCLE"], "a") as f:
+        f.write(event + "\n")
+
+
+def _load_scorer(device, dist, *, bonus: float = 1.0, fail_after: int = 0, **_):
+    """A reward with a lifecycle, as a reward model has: built once per process on the device,
+    closed at the end. fail_after > 0: its scorer raises on that call (a run that ends in error)."""
+    _lifecycle_log(f"build device={device} dist={type(dist).__name__} bonus={bonus}")
+    calls = {"n": 0}
+
+    def score(completions, **kwargs):
+        calls["n"] += 1
+        if fail_after and calls["n"] >= fail_after:
+            raise RuntimeError("scorer failed on purpose")
+        return [bonus * (len(c) % 2) for c in completions]
+
+    return score
+
+
+def _close_scorer(scorer) -> None:
+    _lifecycle_log("close")
+
+
+def _build_reward():
+    from grpo_cli.rewards import Reward
+
+    return Reward(name="lifecycle", build=_load_scorer, close=_close_scorer)
+
+
+LIFECYCLE = _build_reward()

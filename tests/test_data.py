@@ -253,7 +253,7 @@ def test_completions_decode_the_same_under_every_transformers_version(tok, clean
     same text whatever the installed version."""
     import torch
 
-    from grpo_cli.evaluate import decode_completions
+    from grpo_cli.rewards import decode_completions
 
     original = tok.clean_up_tokenization_spaces
     tok.clean_up_tokenization_spaces = clean_up

@@ -222,7 +222,7 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
     from grpo_cli.evaluate import evaluate, group_values
     from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
     from grpo_cli.precision import resolve_precision
-    from grpo_cli.rewards import RewardSpec
+    from grpo_cli.rewards import Reward, RewardSpec
     from grpo_cli.samplers import build_sampler
 
     cfg = to_typed(compose(TINY[:2] + ["data.eval_size=24", "sampler.max_new_tokens=2"]))
@@ -230,7 +230,7 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
     held_out = build_data(cfg, read_data(cfg), tok).eval
     wide = build_wide_eval(cfg, read_wide_eval(cfg), tok)
     model = AutoModelForCausalLM.from_pretrained(build_tiny())
-    rewards = [RewardSpec("accuracy", _plus_only, 1.0, role="correctness")]
+    rewards = [RewardSpec("accuracy", Reward("accuracy", fn=_plus_only), 1.0, role="correctness")]
     fp32 = resolve_precision("fp32", model.device)
     sampler = build_sampler(
         cfg.sampler,

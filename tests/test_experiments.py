@@ -156,7 +156,7 @@ STEP_BY_STEP = (
 
 
 def _format(compose, completions):
-    from grpo_cli.rewards import format_reward
+    from grpo_cli.rewards.format import format_reward
 
     options = OmegaConf.to_container(compose(["experiment=gsm8k"]).reward.format)
     options.pop("weight")

@@ -374,13 +374,22 @@ def user_mod(tmp_path, monkeypatch):
     return "my_rewards"
 
 
-def test_registry_is_explicit():
+def test_registry_is_derived_from_the_built_ins_declarations():
+    from grpo_cli.rewards import accuracy as accuracy_module
+    from grpo_cli.rewards import format as format_module
+    from grpo_cli.rewards import length as length_module
+
     assert set(REGISTRY) == {"accuracy", "format", "length"}
-    assert (
-        REGISTRY["accuracy"] is accuracy
-        and REGISTRY["format"] is format_reward
-        and REGISTRY["length"] is length
-    )
+    for name, module, fn in (
+        ("accuracy", accuracy_module, accuracy),
+        ("format", format_module, format_reward),
+        ("length", length_module, length),
+    ):
+        declared = REGISTRY[name]
+        assert declared is module.REWARD and declared.name == name and declared.fn is fn
+        assert declared.options is module.Options and declared.check is module.check_options
+        assert declared.role == module.ROLE
+    assert REGISTRY["accuracy"].role == "correctness"
 
 
 @pytest.mark.parametrize(
@@ -389,12 +398,12 @@ def test_registry_is_explicit():
     ids=["colon", "dot", "nested-attr"],
 )
 def test_resolve_import_path(user_mod, path):
-    fn = resolve_reward("mine", path)
+    fn = resolve_reward("mine", path).fn
     assert callable(fn) and fn(["a"]) in ([1.0], [0.5])
 
 
 def test_resolve_builtin():
-    assert resolve_reward("length") is length
+    assert resolve_reward("length").fn is length
 
 
 @pytest.mark.parametrize(
@@ -557,7 +566,7 @@ def test_metrics_all_none_is_nan():
 
 
 def _spec(path):
-    return RewardSpec(name="mine", fn=resolve_reward("mine", path), weight=1.0, options={})
+    return RewardSpec(name="mine", reward=resolve_reward("mine", path), weight=1.0, options={})
 
 
 @pytest.mark.parametrize(
@@ -619,7 +628,10 @@ def test_score_builtin_failure_names_reward():
 
 def test_score_inf_from_builtin_scale_is_caught(user_mod):
     spec = RewardSpec(
-        name="huge", fn=length, weight=1.0, options={"target": 1, "unit": "chars", "scale": 1e308}
+        name="huge",
+        reward=REGISTRY["length"],
+        weight=1.0,
+        options={"target": 1, "unit": "chars", "scale": 1e308},
     )
     with pytest.raises(RewardError, match="reward 'huge' returned -inf"):
         _score([spec], ["x" * 100])
@@ -632,7 +644,62 @@ def test_score_column_length_mismatch():
 
 def test_score_option_column_clash(user_mod):
     spec = RewardSpec(
-        name="mine", fn=resolve_reward("mine", "my_rewards:bonus"), weight=1.0, options={"answer": 1}
+        name="mine", reward=resolve_reward("mine", "my_rewards:bonus"), weight=1.0, options={"answer": 1}
     )
     with pytest.raises(RewardError, match="option.*answer.*same name as dataset column"):
         _score([spec], ["a"], answer=["1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail", [False, True], ids=["normal-end", "error"])
+def test_a_declared_reward_is_built_on_the_device_and_closed_however_the_run_ends(tmp_path, fail):
+    """A Reward at an import path with build/close (what a reward model needs): grpo-train builds
+    it once, on the training device, with its YAML options, and closes it at the end of the run,
+    also when the run ends in an error (the reward's own, re-raised with its name)."""
+    from conftest import grpo, tiny
+
+    log = tmp_path / "lifecycle.log"
+    res = grpo(
+        tiny(
+            "+reward.lifecycle.fn=reward_fixtures:LIFECYCLE",
+            "+reward.lifecycle.bonus=0.5",
+            *(["+reward.lifecycle.fail_after=2"] if fail else []),
+            "trainer.max_steps=2",
+            "trainer.eval_steps=0",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ),
+        tmp_path,
+        env={"GRPO_TEST_LIFECYCLE": str(log)},
+    )
+    assert log.read_text().splitlines() == ["build device=cpu dist=Dist bonus=0.5", "close"], res.stderr
+    if fail:
+        assert res.returncode != 0 and "reward 'lifecycle' raised RuntimeError: scorer failed on purpose" in (
+            res.stdout + res.stderr
+        )
+    else:
+        assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_rewards_open_closes_what_it_built_when_a_build_fails():
+    from grpo_cli.rewards import Reward
+
+    events = []
+
+    def ok(device, dist, **options):
+        events.append("build ok")
+        return lambda completions, **kw: [0.0] * len(completions)
+
+    def broken(device, dist, **options):
+        raise OSError("no such reward model")
+
+    specs = build_rewards(
+        {
+            "a": {"fn": Reward("a", build=ok, close=lambda s: events.append("close ok"))},
+            "b": {"fn": Reward("b", build=broken)},
+        }
+    )
+    with pytest.raises(OSError, match="no such reward model"):
+        specs.open("cpu")
+    assert events == ["build ok", "close ok"]
+    with pytest.raises(TypeError, match="exactly one of fn and build"):
+        Reward("neither")

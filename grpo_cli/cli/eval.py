@@ -75,6 +75,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         seed=t.seed,
     )
     try:
+        rewards.open(device)
         judge = correctness(rewards)
         torch.manual_seed(t.seed)
 
@@ -140,7 +141,10 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
             result["advice"] = _advice(result["pass@1"])
         result["seconds"] = time.perf_counter() - t0
     finally:
-        sampler.close()
+        try:
+            sampler.close()
+        finally:
+            rewards.close()
     return result
 
 

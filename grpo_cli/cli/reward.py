@@ -105,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                 for c in completions
             ]
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-        totals, per_reward = score_rewards(
-            specs,
-            [as_reward_input(prompt, c) if isinstance(c, str) else c for c in completions],
-            prompts=[prompt] * len(rows),
-            completion_ids=completion_ids,
-            columns={k: [row[k] for row in rows] for k in keys},
-        )
+        with specs.open():  # (a reward with a build, e.g. a model, loads here and is freed after)
+            totals, per_reward = score_rewards(
+                specs,
+                [as_reward_input(prompt, c) if isinstance(c, str) else c for c in completions],
+                prompts=[prompt] * len(rows),
+                completion_ids=completion_ids,
+                columns={k: [row[k] for row in rows] for k in keys},
+            )
     except UserError as exc:
         report_and_exit("grpo-reward-test", [str(exc)])
     table = Table(title="rewards", header_style="bold")

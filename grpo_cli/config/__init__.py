@@ -80,12 +80,15 @@ def register() -> None:
     a misspelt option or a wrong type fails while Hydra composes, and every option can be set
     without a `+`), and the `grpo_run_id` resolver of the run folder names. Idempotent; done when
     this module loads."""
-    from grpo_cli.rewards import accuracy, format, length  # noqa: A004 (the reward module)
+    from grpo_cli.rewards import REGISTRY  # (each built-in's declaration: rewards.Reward)
 
     store = ConfigStore.instance()
     store.store(name="grpo_schema", node=Config)
-    for name, module in (("accuracy", accuracy), ("format", format), ("length", length)):
-        store.store(group="reward", name=f"{name}_schema", node={name: reward_node(name, module.Options)})
+    for name, declared in REGISTRY.items():
+        if declared.options is not None:
+            store.store(
+                group="reward", name=f"{name}_schema", node={name: reward_node(name, declared.options)}
+            )
     OmegaConf.register_new_resolver("grpo_run_id", lambda: RUN_ID, replace=True)
 
 

@@ -38,68 +38,65 @@ import importlib
 import inspect
 import math
 import numbers
-import statistics
+import pkgutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-# The submodules stay reachable as grpo_cli.rewards.accuracy / .format / .length
-# (module name = registry key = YAML name); their functions are not re-bound
-# here so the package attributes keep pointing at the modules.
-from . import accuracy, format, length  # noqa: A004 - `format` shadows the builtin only in this module
 from ._common import RewardError, completion_text, preview
-from .format import format_reward
+from .base import ROLES, Reward, Rewards, RewardSpec
+from .scoring import (
+    RESERVED_KWARGS,
+    as_reward_input,
+    clean_up_spaces,
+    decode_completions,
+    passes,
+    reward_metrics,
+    score_examples,
+    score_rewards,
+)
 
 __all__ = [
     "REGISTRY",
+    "ROLES",
+    "Reward",
     "RewardError",
     "RewardSpec",
+    "Rewards",
     "as_reward_input",
     "build_rewards",
     "check_rewards",
-    "correctness",
+    "clean_up_spaces",
     "completion_text",
-    "resolve_reward",
+    "correctness",
+    "decode_completions",
     "passes",
+    "preview",
+    "resolve_reward",
     "reward_metrics",
+    "score_examples",
     "score_rewards",
-    "accuracy",
-    "format",
-    "format_reward",
-    "length",
 ]
 
-#: Built-in rewards; the key is the module name and the YAML name.
-REGISTRY: dict[str, Callable[..., list]] = {
-    "accuracy": accuracy.accuracy,
-    "format": format.format_reward,
-    "length": length.length,
-}
+_NOT_REWARDS = ("base", "scoring")  # this package's modules that declare no reward
 
-#: Option checks of the built-ins, keyed by function (so a built-in reached
-#: through ``fn=grpo_cli.rewards.length:length`` under another name is checked too).
-_OPTION_CHECKS: dict[Callable[..., list], Callable[..., list[str]]] = {
-    accuracy.accuracy: accuracy.check_options,
-    format.format_reward: format.check_options,
-    length.length: length.check_options,
-}
 
-#: What a reward is for. correctness: it says whether a completion is right (1.0 = right), so it
-#: drives eval/accuracy, the pass rule (pass@k, pass_rate_hist) and the check that the data has
-#: its answer column; at most one reward has it. shaping: any other (format, length, ...).
-#: A built-in declares its own (its module's ROLE); a function of yours may carry a `role`
-#: attribute, and `reward.<name>.role` sets it in YAML.
-ROLES = ("correctness", "shaping")
-_BUILTIN_ROLES: dict[Callable[..., list], str] = {
-    accuracy.accuracy: accuracy.ROLE,
-    format.format_reward: format.ROLE,
-    length.length: length.ROLE,
-}
+def _builtins() -> dict[str, Reward]:
+    """Every built-in: each module of this package (but base and scoring) declares REWARD, whose
+    name is the module's name, the registry key and the YAML name."""
+    found = {}
+    for m in pkgutil.iter_modules(__path__):
+        if m.name.startswith("_") or m.name in _NOT_REWARDS:
+            continue
+        declared = importlib.import_module(f"{__name__}.{m.name}").REWARD
+        assert declared.name == m.name, (m.name, declared.name)
+        found[m.name] = declared
+    return found
+
+
+#: Built-in rewards, derived from their modules' declarations (name -> Reward).
+REGISTRY: dict[str, Reward] = _builtins()
 #: The gold-answer column a correctness reward reads unless it sets answer_column.
-DEFAULT_ANSWER_COLUMN = accuracy.Options().answer_column
-
-#: Keyword arguments the engine passes itself; options may not use these names.
-RESERVED_KWARGS = ("completions", "prompts", "completion_ids")
+DEFAULT_ANSWER_COLUMN = REGISTRY["accuracy"].options().answer_column
 _NODE_KEYS = ("weight", "fn", "role")
 
 
@@ -169,19 +166,35 @@ def _resolve_import_path(name: str, path: str) -> Callable:
             )
         obj = getattr(obj, attr)
         walked = f"{walked}.{attr}"
+    if isinstance(obj, Reward):  # a declaration (with options, checks, a role or a lifecycle)
+        return obj
     if not callable(obj) or inspect.ismodule(obj):
         kind = "a module" if inspect.ismodule(obj) else f"a {type(obj).__name__}"
         raise RewardError(
             f"reward {name!r}: fn={path!r} resolves to {kind}, not a callable; "
-            "point it at a function (package.module:function)."
+            "point it at a function (package.module:function) or a grpo_cli.rewards.Reward."
         )
     return obj
 
 
-def resolve_reward(name: str, fn: str | None = None) -> Callable:
-    """The reward function for ``name``: imported from ``fn`` if given, else ``REGISTRY[name]``."""
+def _declared(name: str, found: Any) -> Reward:
+    """What an import path gives, as a declaration: a Reward object as it is, a plain function
+    wrapped (its `role` attribute, if any, kept)."""
+    if isinstance(found, Reward):
+        return found
+    builtin = next((r for r in REGISTRY.values() if r.fn is found), None)
+    if builtin is not None:  # a built-in reached by its path keeps its checks and role
+        return dataclasses.replace(builtin, name=name)
+    return Reward(name=name, fn=found, role=getattr(found, "role", None) or "shaping")
+
+
+def resolve_reward(name: str, fn: str | Callable | Reward | None = None) -> Reward:
+    """The declaration of reward ``name``: imported from ``fn`` (an import path to a function or
+    to a Reward; a callable or Reward given in Python is taken as it is), else ``REGISTRY[name]``."""
+    if isinstance(fn, Reward) or callable(fn):
+        return _declared(name, fn)
     if fn is not None:
-        return _resolve_import_path(name, fn)
+        return _declared(name, _resolve_import_path(name, fn))
     if name in REGISTRY:
         return REGISTRY[name]
     close = difflib.get_close_matches(str(name), list(REGISTRY), n=1)
@@ -195,22 +208,6 @@ def resolve_reward(name: str, fn: str | None = None) -> Callable:
 # --------------------------------------------------------------------------
 # building from config
 # --------------------------------------------------------------------------
-
-
-@dataclass
-class RewardSpec:
-    """One configured reward: its YAML name, function, weight, options and role (ROLES)."""
-
-    name: str
-    fn: Callable
-    weight: float
-    options: dict = field(default_factory=dict)
-    role: str = "shaping"
-
-    @property
-    def answer_column(self) -> str:
-        """The dataset column with the gold answers (a correctness reward's)."""
-        return self.options.get("answer_column", DEFAULT_ANSWER_COLUMN)
 
 
 def correctness(specs: Sequence[RewardSpec]) -> RewardSpec | None:
@@ -280,25 +277,29 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
                 problems.append(f"{where}: option name {key!r} is reserved (the engine passes it itself)")
         fn_path = node.get("fn")
         try:
-            # A callable is accepted too, for configs built in Python.
-            fn = fn_path if callable(fn_path) else resolve_reward(name, fn_path)
+            # A callable or a Reward is accepted too, for configs built in Python.
+            declared = resolve_reward(name, fn_path)
         except RewardError as exc:
             message = str(exc)
             prefix = f"reward {name!r}: "
             problems.append(f"{where}: {message[len(prefix) :] if message.startswith(prefix) else message}")
             continue
-        checker = next((check for builtin, check in _OPTION_CHECKS.items() if builtin is fn), None)
-        if checker is not None:
-            problems += [f"{where}: {p}" for p in checker(options)]
-        else:
-            sig_problem = _signature_problem(fn)
+        if declared.check is not None:
+            try:
+                problems += [f"{where}: {p}" for p in declared.check(options)]
+            except Exception as exc:  # user code: re-raised with its name
+                raise RewardError(f"{where}: its option check raised {type(exc).__name__}: {exc}") from exc
+        elif declared.fn is not None:
+            sig_problem = _signature_problem(declared.fn)
             if sig_problem:
                 problems.append(f"{where}: fn={fn_path!r}: {sig_problem}")
-        role = node.get("role") or getattr(fn, "role", None) or _BUILTIN_ROLES.get(fn, "shaping")
+        role = node.get("role") or declared.role
         if role not in ROLES:
             problems.append(f"{where}.role={role!r}: choose one of {', '.join(ROLES)}")
         elif weight_ok:
-            specs.append(RewardSpec(name=name, fn=fn, weight=float(weight), options=options, role=role))
+            specs.append(
+                RewardSpec(name=name, reward=declared, weight=float(weight), options=options, role=role)
+            )
     judges = [spec.name for spec in specs if spec.role == "correctness"]
     if len(judges) > 1:
         problems.append(
@@ -313,205 +314,13 @@ def check_rewards(reward_cfg: Mapping[str, Mapping]) -> list[str]:
     return _build(reward_cfg)[1]
 
 
-def build_rewards(reward_cfg: Mapping[str, Mapping]) -> list[RewardSpec]:
-    """RewardSpecs for a reward config; raises one RewardError listing every problem."""
+def build_rewards(reward_cfg: Mapping[str, Mapping]) -> Rewards:
+    """The rewards of a config (not yet opened: Rewards.open builds those with a build); raises
+    one RewardError listing every problem."""
     specs, problems = _build(reward_cfg)
     if problems:
         raise RewardError(
             f"invalid reward configuration ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    return specs
-
-
-# --------------------------------------------------------------------------
-# scoring
-# --------------------------------------------------------------------------
-
-
-def _row_kwargs(kwargs: Mapping[str, Any], data_keys: Sequence[str], i: int) -> dict[str, Any]:
-    single = dict(kwargs)
-    for key in data_keys:
-        value = kwargs[key]
-        if value is not None:
-            single[key] = [value[i]]
-    return single
-
-
-def _row_columns(columns: Mapping[str, list], i: int, limit: int = 60) -> str:
-    if not columns:
-        return ""
-    shown = ", ".join(f"{k}={preview(str(v[i]), limit)}" for k, v in columns.items())
-    return f" (row: {shown})"
-
-
-def _locate_failure(
-    spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str], columns: Mapping[str, list]
-) -> str:
-    """Re-call the reward on single completions to find which ones fail."""
-    failing: list[tuple[int, BaseException]] = []
-    for i in range(len(completions)):
-        try:
-            spec.fn([completions[i]], **_row_kwargs(kwargs, data_keys, i))
-        except Exception as exc:  # noqa: BLE001 - we only locate; the original is re-raised
-            failing.append((i, exc))
-    n = len(completions)
-    if not failing:
-        return " Called on each completion alone it does not fail, so the failure depends on the whole batch."
-    if len(failing) == n and n > 1:
-        i, exc = failing[0]
-        return (
-            f" It fails on every completion when called alone (first: {type(exc).__name__}: {exc}), "
-            "so the cause is not one sample."
-        )
-    i, exc = failing[0]
-    more = f" ({len(failing)} of {n} completions fail; first shown)" if len(failing) > 1 else ""
-    return (
-        f" It fails on completion index {i} of {n}{more}: {preview(completions[i])}"
-        f"{_row_columns(columns, i)}; called alone it raises {type(exc).__name__}: {exc}"
-    )
-
-
-def _as_float(value: Any) -> float | None:
-    """A reward value as float, None for None; raises TypeError/ValueError if not numeric."""
-    if value is None:
-        return None
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
-        raise TypeError("not a number")
-    return float(value)  # numpy / 0-d torch scalars
-
-
-def score_rewards(
-    specs: Sequence[RewardSpec],
-    completions: list,
-    *,
-    prompts: list,
-    completion_ids: list | None,
-    columns: Mapping[str, list],
-) -> tuple[list[float], dict[str, list[float | None]]]:
-    """Call every reward once on the batch; return (weighted totals, raw values per reward).
-
-    See the module docstring for the None rule. Any failure raises RewardError
-    naming the reward and, where it can be found, the completion at fault.
-    """
-    n = len(completions)
-    if not specs:
-        raise RewardError("no reward functions configured; nothing to score completions with")
-    for key, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
-        if values is not None and len(values) != n:
-            raise RewardError(f"{key!r} has {len(values)} values for {n} completions")
-    for key in columns:
-        if key in RESERVED_KWARGS:
-            raise RewardError(
-                f"dataset column {key!r} clashes with a reward argument the engine passes; rename the column"
-            )
-    data_keys = [*columns, "prompts", "completion_ids"]
-    per_reward: dict[str, list[float | None]] = {}
-    for spec in specs:
-        clash = sorted(set(spec.options) & set(columns))
-        if clash:
-            raise RewardError(
-                f"reward {spec.name!r}: option(s) {', '.join(clash)} have the same name as dataset column(s); "
-                "rename the option or the column"
-            )
-        kwargs = {**columns, "prompts": prompts, "completion_ids": completion_ids, **spec.options}
-        try:
-            result = spec.fn(completions, **kwargs)
-        except Exception as exc:
-            where = _locate_failure(spec, completions, kwargs, data_keys, columns)
-            if (
-                isinstance(exc, TypeError)
-                and "string indices" in str(exc)
-                and isinstance(completions[0], str)
-            ):
-                where += (
-                    " The completions are plain strings because the prompts are plain text; a reward that "
-                    'reads completion[0]["content"] is written for chat messages (TRL\'s conversational '
-                    "format), which grpo-cli passes when the dataset's prompts are chat messages. Read "
-                    "the string, or give chat prompts."
-                )
-            raise RewardError(f"reward {spec.name!r} raised {type(exc).__name__}: {exc}.{where}") from exc
-        is_list_like = hasattr(result, "__len__") and hasattr(result, "__iter__")
-        if isinstance(result, (str, bytes, Mapping)) or not is_list_like:
-            raise RewardError(
-                f"reward {spec.name!r} returned {type(result).__name__} {result!r:.80}; it must return a list "
-                f"with one float (or None) per completion ({n} completions)"
-            )
-        values = list(result)
-        if len(values) != n:
-            raise RewardError(
-                f"reward {spec.name!r} returned {len(values)} values for {n} completions; it must return "
-                f"exactly one float (or None) per completion, in order (returned: {values!r:.120})"
-            )
-        column: list[float | None] = []
-        for i, value in enumerate(values):
-            try:
-                number = _as_float(value)
-            except (TypeError, ValueError):
-                raise RewardError(
-                    f"reward {spec.name!r} returned a non-numeric value {value!r:.80} "
-                    f"(type {type(value).__name__}) for completion index {i}: {preview(completions[i])}"
-                    f"{_row_columns(columns, i)}"
-                ) from None
-            if number is not None and not math.isfinite(number):
-                raise RewardError(
-                    f"reward {spec.name!r} returned {number!r} (not finite) for completion index {i}: "
-                    f"{preview(completions[i])}{_row_columns(columns, i)}"
-                )
-            column.append(number)
-        per_reward[spec.name] = column
-
-    totals: list[float] = []
-    for i in range(n):
-        applicable = [
-            (spec.weight, per_reward[spec.name][i]) for spec in specs if per_reward[spec.name][i] is not None
-        ]
-        if not applicable:
-            raise RewardError(
-                f"every reward ({', '.join(s.name for s in specs)}) returned None for completion index {i}: "
-                f"{preview(completions[i])}{_row_columns(columns, i)}; a sample with no applicable reward "
-                "is a configuration bug (add a reward that covers it or fix the data)"
-            )
-        totals.append(float(sum(w * v for w, v in applicable)))
-    return totals, per_reward
-
-
-def as_reward_input(prompt, text: str):
-    """A completion as the reward functions receive it, in TRL's convention: when the prompt is
-    chat messages (a conversational dataset), the completion is a message list
-    `[{"role": "assistant", "content": text}]`, so a reward written for TRL
-    (`completion[0]["content"]`) runs unchanged; when the prompt is plain text, the text itself.
-    The built-in rewards read both (rewards.completion_text)."""
-    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-
-
-def reward_metrics(per_reward: Mapping[str, Sequence[float | None]]) -> dict[str, float]:
-    """``rewards/<name>/mean`` and ``rewards/<name>/std`` over the non-None values.
-
-    std is the population std (ddof=0). A reward that was None for the whole
-    batch gets NaN for both.
-    """
-    metrics: dict[str, float] = {}
-    for name, values in per_reward.items():
-        present = [float(v) for v in values if v is not None]
-        if present:
-            mean, std = statistics.fmean(present), statistics.pstdev(present)
-        else:
-            mean = std = float("nan")
-        metrics[f"rewards/{name}/mean"] = mean
-        metrics[f"rewards/{name}/std"] = std
-    return metrics
-
-
-def passes(
-    per_reward: Mapping[str, Sequence[float | None]], totals: Sequence[float], judge: str | None
-) -> list[bool]:
-    """Whether each completion passes: the correctness reward (its name: `judge`, see
-    `correctness`) is 1 when one is configured, else the weighted total reward is > 0. The one
-    pass rule of the training metrics (pass_rate_hist) and grpo-eval (pass@1, pass@G, greedy
-    accuracy)."""
-    if judge is not None and judge in per_reward:
-        return [v is not None and v >= 1.0 for v in per_reward[judge]]
-    return [t > 0 for t in totals]
+    return Rewards(specs)

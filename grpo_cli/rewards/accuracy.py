@@ -69,6 +69,7 @@ from ._common import (
     iter_numbers,
     raise_problems,
 )
+from .base import Reward
 
 EXTRACT_MODES = ("auto", "boxed", "last_number", "answer_tag", "gsm8k")
 
@@ -403,3 +404,6 @@ def accuracy(
         text = completion_text(completion)
         rewards.append(_score_one(text, gold_parsed, extract, strict, timeout) if text.strip() else 0.0)
     return rewards
+
+
+REWARD = Reward(name="accuracy", fn=accuracy, options=Options, check=check_options, role=ROLE)

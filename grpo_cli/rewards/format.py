@@ -41,6 +41,7 @@ from ._common import (
     completion_text,
     raise_problems,
 )
+from .base import Reward
 
 
 @dataclass(frozen=True)
@@ -170,3 +171,6 @@ def format_reward(
             ok = _tags_ok(text, list(required_tags))
         rewards.append(reward if ok else 0.0)
     return rewards
+
+
+REWARD = Reward(name="format", fn=format_reward, options=Options, check=check_options, role=ROLE)

@@ -44,6 +44,7 @@ from ._common import (
     is_real,
     raise_problems,
 )
+from .base import Reward
 
 UNITS = ("tokens", "chars")
 MODES = ("penalty", "reward", "dapo_overlong")
@@ -151,3 +152,6 @@ def length(
             value += overlong_penalty(n, max_length, soft_cache or 0)
         rewards.append(float(scale) * value)
     return rewards
+
+
+REWARD = Reward(name="length", fn=length, options=Options, check=check_options, role=ROLE)

@@ -1,0 +1,138 @@
+"""What a reward is: one declaration (`Reward`), its configured use in a run (`RewardSpec`), and the
+run's rewards with their lifecycle (`Rewards`: opened on the training device, closed at the end).
+
+A built-in module declares `REWARD = Reward(...)`; the registry is derived from those
+declarations (rewards/__init__.py). A reward of yours is a plain function with TRL's signature
+(`fn(completions, **kwargs) -> list[float | None]`) given by import path, or a `Reward` object
+at that path when it needs more: options checked before the run, a role, or a lifecycle, e.g. a
+model loaded once per process:
+
+    def load(device, dist, **options):            # -> the scoring function
+        model = ...to(device)
+        return lambda completions, **kw: ...
+
+    MY_REWARD = Reward(name="my_model", build=load, close=lambda scorer: ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+#: What a reward is for. correctness: it says whether a completion is right (1.0 = right), so it
+#: drives eval/accuracy, the pass rule (pass@k, pass_rate_hist) and the check that the data has
+#: its answer column; at most one reward has it. shaping: any other (format, length, ...).
+ROLES = ("correctness", "shaping")
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward, declared once.
+
+    fn: the scoring function, TRL's signature (None when `build` makes it).
+    options: the dataclass of its YAML options and their defaults (the typed config node), or None.
+    check(options) -> problems: its options' checks, run by config validation before any model loads.
+    role: one of ROLES.
+    build(device, dist, **options) -> scoring function: called once per process when the run
+      starts (rewards from a model load it here); dist is the run's distributed.Dist or None.
+    close(scorer): frees what build made, when the run ends however it ends.
+    """
+
+    name: str
+    fn: Callable[..., list] | None = None
+    options: type | None = None
+    check: Callable[..., list[str]] | None = None
+    role: str = "shaping"
+    build: Callable[..., Callable[..., list]] | None = None
+    close: Callable[[Callable[..., list]], None] | None = None
+
+    def __post_init__(self):
+        if (self.fn is None) == (self.build is None):
+            raise TypeError(f"Reward {self.name!r}: give exactly one of fn and build")
+
+
+@dataclass
+class RewardSpec:
+    """One configured reward of a run: its YAML name, declaration, weight, options and role.
+    `fn` is what scores: the declaration's function, or what its build made (after open)."""
+
+    name: str
+    reward: Reward
+    weight: float
+    options: dict = field(default_factory=dict)
+    role: str = "shaping"
+    scorer: Callable[..., list] | None = None
+
+    @property
+    def fn(self) -> Callable[..., list]:
+        if self.scorer is not None:
+            return self.scorer
+        if self.reward.fn is None:
+            raise RuntimeError(f"reward {self.name!r} is used before Rewards.open() built it")
+        return self.reward.fn
+
+    @property
+    def answer_column(self) -> str:
+        """The dataset column with the gold answers (a correctness reward's)."""
+        from grpo_cli.rewards import DEFAULT_ANSWER_COLUMN
+
+        return self.options.get("answer_column", DEFAULT_ANSWER_COLUMN)
+
+
+class Rewards:
+    """The run's rewards, in config order, with their lifecycle: `open(device, dist)` builds the
+    rewards that have a build (once per process), `close()` frees them (idempotent; also on a
+    failed open). A context manager too: `with build_rewards(cfg).open(device): ...`."""
+
+    def __init__(self, specs: list[RewardSpec]):
+        self._specs = list(specs)
+        self._opened: list[RewardSpec] = []
+
+    def __getitem__(self, i):
+        return self._specs[i]
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __iter__(self) -> Iterator[RewardSpec]:
+        return iter(self._specs)
+
+    def __repr__(self) -> str:
+        return f"Rewards({[s.name for s in self._specs]})"
+
+    def open(self, device: Any = None, dist: Any = None) -> Rewards:
+        try:
+            for spec in self._specs:
+                if spec.reward.build is not None and spec.scorer is None:
+                    spec.scorer = spec.reward.build(device, dist, **spec.options)
+                    self._opened.append(spec)
+                    if not callable(spec.scorer):
+                        raise TypeError(
+                            f"reward {spec.name!r}: its build returned {type(spec.scorer).__name__}, not a "
+                            "scoring function"
+                        )
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        errors = []
+        while self._opened:
+            spec = self._opened.pop()
+            scorer, spec.scorer = spec.scorer, None
+            try:
+                if spec.reward.close is not None:
+                    spec.reward.close(scorer)
+            except Exception as exc:  # noqa: BLE001 - every reward is closed; the first failure re-raised
+                errors.append((spec.name, exc))
+        if errors:
+            name, exc = errors[0]
+            raise RuntimeError(f"reward {name!r}: its close() raised {type(exc).__name__}: {exc}") from exc
+
+    def __enter__(self) -> Rewards:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

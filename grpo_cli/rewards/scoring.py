@@ -1,0 +1,269 @@
+"""Scoring: completions -> the rewards' values and their weighted totals.
+
+`score_rewards` calls every reward once on a batch (the None rule and the errors are in
+rewards/__init__.py's docstring); `score_examples` scores a rollout whose rows are G completions
+per example (training, grpo-train's evaluation and grpo-eval all score through it);
+`decode_completions` is the text the rewards see; `passes` is the one pass rule.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._common import RewardError, preview
+from .base import RewardSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.data import Example
+
+#: Keyword arguments the engine passes itself; options may not use these names.
+RESERVED_KWARGS = ("completions", "prompts", "completion_ids")
+
+
+def _row_kwargs(kwargs: Mapping[str, Any], data_keys: Sequence[str], i: int) -> dict[str, Any]:
+    single = dict(kwargs)
+    for key in data_keys:
+        value = kwargs[key]
+        if value is not None:
+            single[key] = [value[i]]
+    return single
+
+
+def _row_columns(columns: Mapping[str, list], i: int, limit: int = 60) -> str:
+    if not columns:
+        return ""
+    shown = ", ".join(f"{k}={preview(str(v[i]), limit)}" for k, v in columns.items())
+    return f" (row: {shown})"
+
+
+def _locate_failure(
+    spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str], columns: Mapping[str, list]
+) -> str:
+    """Re-call the reward on single completions to find which ones fail."""
+    failing: list[tuple[int, BaseException]] = []
+    for i in range(len(completions)):
+        try:
+            spec.fn([completions[i]], **_row_kwargs(kwargs, data_keys, i))
+        except Exception as exc:  # noqa: BLE001 - we only locate; the original is re-raised
+            failing.append((i, exc))
+    n = len(completions)
+    if not failing:
+        return " Called on each completion alone it does not fail, so the failure depends on the whole batch."
+    if len(failing) == n and n > 1:
+        i, exc = failing[0]
+        return (
+            f" It fails on every completion when called alone (first: {type(exc).__name__}: {exc}), "
+            "so the cause is not one sample."
+        )
+    i, exc = failing[0]
+    more = f" ({len(failing)} of {n} completions fail; first shown)" if len(failing) > 1 else ""
+    return (
+        f" It fails on completion index {i} of {n}{more}: {preview(completions[i])}"
+        f"{_row_columns(columns, i)}; called alone it raises {type(exc).__name__}: {exc}"
+    )
+
+
+def _as_float(value: Any) -> float | None:
+    """A reward value as float, None for None; raises TypeError/ValueError if not numeric."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+        raise TypeError("not a number")
+    return float(value)  # numpy / 0-d torch scalars
+
+
+def score_rewards(
+    specs: Sequence[RewardSpec],
+    completions: list,
+    *,
+    prompts: list,
+    completion_ids: list | None,
+    columns: Mapping[str, list],
+) -> tuple[list[float], dict[str, list[float | None]]]:
+    """Call every reward once on the batch; return (weighted totals, raw values per reward).
+
+    See the module docstring for the None rule. Any failure raises RewardError
+    naming the reward and, where it can be found, the completion at fault.
+    """
+    n = len(completions)
+    if not specs:
+        raise RewardError("no reward functions configured; nothing to score completions with")
+    for key, values in [("prompts", prompts), ("completion_ids", completion_ids), *columns.items()]:
+        if values is not None and len(values) != n:
+            raise RewardError(f"{key!r} has {len(values)} values for {n} completions")
+    for key in columns:
+        if key in RESERVED_KWARGS:
+            raise RewardError(
+                f"dataset column {key!r} clashes with a reward argument the engine passes; rename the column"
+            )
+    data_keys = [*columns, "prompts", "completion_ids"]
+    per_reward: dict[str, list[float | None]] = {}
+    for spec in specs:
+        clash = sorted(set(spec.options) & set(columns))
+        if clash:
+            raise RewardError(
+                f"reward {spec.name!r}: option(s) {', '.join(clash)} have the same name as dataset column(s); "
+                "rename the option or the column"
+            )
+        kwargs = {**columns, "prompts": prompts, "completion_ids": completion_ids, **spec.options}
+        try:
+            result = spec.fn(completions, **kwargs)
+        except Exception as exc:
+            where = _locate_failure(spec, completions, kwargs, data_keys, columns)
+            if (
+                isinstance(exc, TypeError)
+                and "string indices" in str(exc)
+                and isinstance(completions[0], str)
+            ):
+                where += (
+                    " The completions are plain strings because the prompts are plain text; a reward that "
+                    'reads completion[0]["content"] is written for chat messages (TRL\'s conversational '
+                    "format), which grpo-cli passes when the dataset's prompts are chat messages. Read "
+                    "the string, or give chat prompts."
+                )
+            raise RewardError(f"reward {spec.name!r} raised {type(exc).__name__}: {exc}.{where}") from exc
+        is_list_like = hasattr(result, "__len__") and hasattr(result, "__iter__")
+        if isinstance(result, (str, bytes, Mapping)) or not is_list_like:
+            raise RewardError(
+                f"reward {spec.name!r} returned {type(result).__name__} {result!r:.80}; it must return a list "
+                f"with one float (or None) per completion ({n} completions)"
+            )
+        values = list(result)
+        if len(values) != n:
+            raise RewardError(
+                f"reward {spec.name!r} returned {len(values)} values for {n} completions; it must return "
+                f"exactly one float (or None) per completion, in order (returned: {values!r:.120})"
+            )
+        column: list[float | None] = []
+        for i, value in enumerate(values):
+            try:
+                number = _as_float(value)
+            except (TypeError, ValueError):
+                raise RewardError(
+                    f"reward {spec.name!r} returned a non-numeric value {value!r:.80} "
+                    f"(type {type(value).__name__}) for completion index {i}: {preview(completions[i])}"
+                    f"{_row_columns(columns, i)}"
+                ) from None
+            if number is not None and not math.isfinite(number):
+                raise RewardError(
+                    f"reward {spec.name!r} returned {number!r} (not finite) for completion index {i}: "
+                    f"{preview(completions[i])}{_row_columns(columns, i)}"
+                )
+            column.append(number)
+        per_reward[spec.name] = column
+
+    totals: list[float] = []
+    for i in range(n):
+        applicable = [
+            (spec.weight, per_reward[spec.name][i]) for spec in specs if per_reward[spec.name][i] is not None
+        ]
+        if not applicable:
+            raise RewardError(
+                f"every reward ({', '.join(s.name for s in specs)}) returned None for completion index {i}: "
+                f"{preview(completions[i])}{_row_columns(columns, i)}; a sample with no applicable reward "
+                "is a configuration bug (add a reward that covers it or fix the data)"
+            )
+        totals.append(float(sum(w * v for w, v in applicable)))
+    return totals, per_reward
+
+
+def as_reward_input(prompt, text: str):
+    """A completion as the reward functions receive it, in TRL's convention: when the prompt is
+    chat messages (a conversational dataset), the completion is a message list
+    `[{"role": "assistant", "content": text}]`, so a reward written for TRL
+    (`completion[0]["content"]`) runs unchanged; when the prompt is plain text, the text itself.
+    The built-in rewards read both (rewards.completion_text)."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+def reward_metrics(per_reward: Mapping[str, Sequence[float | None]]) -> dict[str, float]:
+    """``rewards/<name>/mean`` and ``rewards/<name>/std`` over the non-None values.
+
+    std is the population std (ddof=0). A reward that was None for the whole
+    batch gets NaN for both.
+    """
+    metrics: dict[str, float] = {}
+    for name, values in per_reward.items():
+        present = [float(v) for v in values if v is not None]
+        if present:
+            mean, std = statistics.fmean(present), statistics.pstdev(present)
+        else:
+            mean = std = float("nan")
+        metrics[f"rewards/{name}/mean"] = mean
+        metrics[f"rewards/{name}/std"] = std
+    return metrics
+
+
+def passes(
+    per_reward: Mapping[str, Sequence[float | None]], totals: Sequence[float], judge: str | None
+) -> list[bool]:
+    """Whether each completion passes: the correctness reward (its name: `judge`, see
+    `correctness`) is 1 when one is configured, else the weighted total reward is > 0. The one
+    pass rule of the training metrics (pass_rate_hist) and grpo-eval (pass@1, pass@G, greedy
+    accuracy)."""
+    if judge is not None and judge in per_reward:
+        return [v is not None and v >= 1.0 for v in per_reward[judge]]
+    return [t > 0 for t in totals]
+
+
+# transformers 4.x's clean-up of tokenization spaces (PreTrainedTokenizerBase.clean_up_tokenization).
+_SPACE_CLEANUP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+def clean_up_spaces(text: str) -> str:
+    for before, after in _SPACE_CLEANUP:
+        text = text.replace(before, after)
+    return text
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+    """The completions' text, as the rewards see it. Decoding is explicit so that the text (and so
+    the rewards) does not depend on the transformers version: 4.x applies the tokenizer's
+    `clean_up_tokenization_spaces` setting, 5.x ignores it for BPE tokenizers (SmolLM2's "15 ."
+    instead of "15."). So: decode without the clean-up, then apply 4.x's when the tokenizer asks."""
+    texts = tokenizer.batch_decode(
+        [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)],
+        skip_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        texts = [clean_up_spaces(t) for t in texts]
+    return texts
+
+
+def score_examples(rewards, tokenizer, examples: list[Example], rollout, num_generations: int):
+    """Rewards of a rollout whose rows are `num_generations` completions per example, in order;
+    returns (the completions' texts, weighted totals, values per reward)."""
+    texts = decode_completions(tokenizer, rollout.completion_ids, rollout.completion_mask)
+    columns: dict[str, list] = {}
+    for ex in examples:
+        for key, value in ex.columns.items():
+            columns.setdefault(key, []).extend([value] * num_generations)
+    prompts = [ex.prompt for ex in examples for _ in range(num_generations)]
+    completion_ids = [
+        ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
+    ]
+    completions = [as_reward_input(prompt, text) for prompt, text in zip(prompts, texts)]
+    total, per_reward = score_rewards(
+        rewards, completions, prompts=prompts, completion_ids=completion_ids, columns=columns
+    )
+    return texts, total, per_reward
