@@ -315,6 +315,11 @@ CATALOGUE = [
         ["record 2", "'prompt'", "Fix or remove"],
         setup=lambda d, ctx: _write(d / "gap.jsonl", '{"prompt": "a"}\n{"text": "b"}\n'),
     ),
+    Case(
+        "D10",
+        ["data.eval_group_by=nosuch_column"],
+        ["data.eval_group_by='nosuch_column' is not a column of the held-out rows", "or null"],
+    ),
     # --- models
     Case(
         "M1",
