@@ -295,6 +295,39 @@ def _optimizer_step(cfg: Config, policy, masters, device, precision: Precision, 
     )
 
 
+def _restore(
+    resume_from: Path, loaded, changed: list[str], policy, opt_step, stream, *, fsdp: bool, d, console
+):
+    """A resumed run's optimizer, schedule and prompt stream, from the checkpoint's training
+    state (loaded: checkpoint.load_training_state's), and what differs from its run, said."""
+    state = loaded[0]
+    try:
+        if fsdp:
+            ckpt.load_sharded(resume_from, policy, opt_step.optimizer)
+        else:
+            opt_step.optimizer.load_state_dict(loaded[1])
+        opt_step.scheduler.load_state_dict(loaded[2])
+        stream.load_state(state.stream)
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+        raise UserError(
+            f"checkpoint {resume_from}: its optimizer/scheduler state does not fit this "
+            f"model and optimizer ({first_line(exc, 160)}); resume with the checkpoint's own "
+            "model and optimizer settings, or start a new run."
+        ) from exc
+    console.print(f"resumed from {resume_from} at step {state.step}")
+    if state.world_size != d.world_size:
+        console.print(
+            f"[yellow]the checkpoint was written by {state.world_size} process(es), this run has "
+            f"{d.world_size}: it continues (the completions do not depend on the number of processes), "
+            "but the micro-batches' order and float sums differ from an uninterrupted run's.[/]"
+        )
+    if changed:
+        console.print(
+            "[yellow]settings differ from the checkpoint's (allowed; later steps will not "
+            "match an uninterrupted run exactly): " + "; ".join(changed) + "[/]"
+        )
+
+
 def _data_summary(cfg: Config, data, wide_eval) -> str:
     """The run's data line: prompts for training and held out, the wide set, what was dropped."""
     s = cfg.sampler
@@ -398,34 +431,9 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             shard_model(ref)
 
     opt_step = _optimizer_step(cfg, policy, masters, device, precision, state, total_steps, d)
-    optimizer, scheduler = opt_step.optimizer, opt_step.scheduler
     stream = PromptStream(data.train, seed=t.seed)
     if loaded:
-        try:
-            if fsdp:
-                ckpt.load_sharded(resume_from, policy, optimizer)
-            else:
-                optimizer.load_state_dict(loaded[1])
-            scheduler.load_state_dict(loaded[2])
-            stream.load_state(state.stream)
-        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
-            raise UserError(
-                f"checkpoint {resume_from}: its optimizer/scheduler state does not fit this "
-                f"model and optimizer ({first_line(exc, 160)}); resume with the checkpoint's own "
-                "model and optimizer settings, or start a new run."
-            ) from exc
-        console.print(f"resumed from {resume_from} at step {state.step}")
-        if state.world_size != d.world_size:
-            console.print(
-                f"[yellow]the checkpoint was written by {state.world_size} process(es), this run has "
-                f"{d.world_size}: it continues (the completions do not depend on the number of processes), "
-                "but the micro-batches' order and float sums differ from an uninterrupted run's.[/]"
-            )
-        if changed:
-            console.print(
-                "[yellow]settings differ from the checkpoint's (allowed; later steps will not "
-                "match an uninterrupted run exactly): " + "; ".join(changed) + "[/]"
-            )
+        _restore(resume_from, loaded, changed, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
     fast_paths = tested_architecture(policy)
     if not fast_paths:
         console.print(
@@ -465,7 +473,11 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         state=state,
         resumed_from=resume_from,
         scorer=wrap_scorer(
-            TokenLogprobs(policy, temperature=s.temperature, shared_prompt=fast_paths), d, device
+            TokenLogprobs(
+                policy, temperature=s.temperature, shared_prompt=fast_paths, top_k=s.top_k, top_p=s.top_p
+            ),
+            d,
+            device,
         ),
         dist=d,
     )

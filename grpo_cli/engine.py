@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli import guards
+from grpo_cli import guards, selfcheck
 from grpo_cli import step as phases
 from grpo_cli.build import Parts
 from grpo_cli.config import Config
@@ -34,7 +34,7 @@ from grpo_cli.health import HealthMonitor
 from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
 from grpo_cli.optim import StepResult
 from grpo_cli.rewards import decode_completions
-from grpo_cli.rollout import Rollout
+from grpo_cli.rollout import Batch
 from grpo_cli.samples import step_records
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -82,41 +82,36 @@ def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=N
 
 
 def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start) -> dict[str, Any]:
-    t, d, state = cfg.trainer, parts.dist, parts.state
+    t, s, d, state = cfg.trainer, cfg.sampler, parts.dist, parts.state
+    precision, fast = parts.precision, parts.fast_paths
     start_step, said_no_signal, last_row, before = state.step, False, {}, {}
     if on_start is not None:
         on_start()
     if state.rng is not None:  # last, right before the first step: nothing may draw from the RNGs in between
         ckpt.restore_rng_state(state.rng_of(d.rank))
-    log = MetricsLogger(
-        run_dir,
-        total_steps=parts.total_steps,
-        quiet=t.quiet,
-        writer=d.is_main,  # rank 0 alone writes metrics and prints
-        resume_step=start_step,
-        report_to=tuple(t.report_to),
-        run_config=asdict(cfg),  # for W&B / Trackio
-    )
-    health = HealthMonitor(
-        num_iterations=t.num_iterations,
-        beta=cfg.loss.beta,
-        dynamic_sampling=t.dynamic_sampling,
-        enabled=t.health_checks,
-        resume_step=start_step,
-        mismatch_tolerance=parts.sampler.tolerance[0],
-    )
-    run = _Run(cfg, parts, run_dir, config_yaml, log)
+    run = _Run(cfg, parts, run_dir, config_yaml)
+    log, health = run.log, run.health
     with log, _StopFlag(quiet=not d.is_main) as stop:
         if t.eval_before and parts.eval_examples and not parts.resumed_from:
             before = run.evaluate()
             log.log({"step": 0, **before})
         for step in range(start_step + 1, parts.total_steps + 1):
             t0 = time.perf_counter()
-            phase = dict.fromkeys(("rollout", "reward", "reference", "policy", "optimizer", "sync"), 0.0)
 
             # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal).
-            sampled = phases.sample_and_score(cfg, parts, phase, step)
-            if sampled.batch is None:  # dynamic sampling found no group with signal: skip the update
+            sampled = phases.sample_and_score(
+                step,
+                stream=parts.stream,
+                sampler=parts.sampler,
+                rewards=parts.rewards,
+                tokenizer=parts.tokenizer,
+                dist=d,
+                device=parts.device,
+                trainer=t,
+                sampling=s,
+                loss=cfg.loss,
+            )
+            if sampled.rollout is None:  # dynamic sampling found no group with signal: skip the update
                 log.print(
                     f"step {step}: every sampled group was zero-std after {t.max_sampling_tries} tries; "
                     "no update (consider harder/easier data or a higher temperature)"
@@ -125,40 +120,67 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                     log.warn(warning)
                 log.advance(step)
                 continue
-            batch = sampled.batch
 
             # 2. Advantages per group (ref 004), detached; zero-std groups flagged (ref 002); the
-            #    step's loss normalisers; whether the step has any learning signal at all.
-            norms, has_signal = phases.advantages(cfg, batch, parts.device)
+            #    scored batch, frozen from here on; the step's loss normalisers; whether the step has
+            #    any learning signal at all.
+            batch, norms, has_signal = phases.advantages(sampled, cfg.loss, parts.device)
 
             # 3. Micro-batches of whole groups (this rank's shard; zero-std groups left out, but on
             #    the first step, whose self-check compares every row); reference log-probs (beta > 0).
             first = t.self_check and not parts.resumed_from and step == start_step + 1
-            plan = phases.micro_batches(cfg, batch, d, skip_zero_std=t.skip_zero_std and not first)
-            tick = time.perf_counter()
+            plan = phases.micro_batches(
+                batch,
+                prompts_per_step=t.prompts_per_step,
+                accumulation_steps=t.gradient_accumulation_steps,
+                zero_std_mode=cfg.loss.zero_std,
+                d=d,
+                skip_zero_std=t.skip_zero_std and not first,
+            )
+            tick, ref_logps = time.perf_counter(), None
             if parts.ref is not None:
-                batch.ref_logps = phases.reference_logprobs(parts, batch, plan, cfg.sampler.temperature)
-            phase["reference"] += time.perf_counter() - tick
+                ref_logps = phases.reference_logprobs(
+                    parts.ref, batch, plan, temperature=s.temperature, precision=precision, shared_prompt=fast
+                )
+            reference_seconds = time.perf_counter() - tick
 
-            # 4. num_iterations updates on this rollout: gradient over the micro-batches, optimizer
+            # 4. num_iterations updates on this batch: gradient over the micro-batches, optimizer
             #    step (skipped when the loss or gradient is not finite, or there is no signal).
-            ctx = phases.UpdateContext(norms, has_signal, self_check=first)
-            updates, results = phases.update(cfg, parts, batch, plan, ctx, phase, log)
-            for result in results:
+            check = selfcheck.FirstStep(parts.policy, precision.name, s.temperature) if first else None
+            updated = phases.update(
+                batch,
+                plan,
+                phases.UpdateContext(norms, has_signal, ref_logps, self_check=check),
+                scorer=parts.scorer,
+                opt=parts.opt_step,
+                precision=precision,
+                tolerance=parts.sampler.tolerance,
+                lo=cfg.loss,
+                num_iterations=t.num_iterations,
+                max_new_tokens=s.max_new_tokens,
+                log=log,
+            )
+            updates = updated.stats
+            for result in updated.results:
                 if not result.finite:
                     _note_nonfinite(updates, step, result, state, t, log)
                 elif not result.applied:
                     updates.no_signal += 1
                     said_no_signal = said_no_signal or _say_no_signal(step, log)
-            applied = any(result.applied for result in results)
+            applied = any(result.applied for result in updated.results)
             if applied and run.bad_weights():  # a finite gradient can overflow the weights
                 run.diverged(step)
 
             # 5. A sampler with its own copy of the weights loads the new ones.
+            tick = time.perf_counter()
             if applied:
-                tick = time.perf_counter()
                 parts.sampler.sync(parts.policy)
-                phase["sync"] += time.perf_counter() - tick
+            phase = {  # where the step's time went (seconds)
+                **sampled.seconds,
+                "reference": reference_seconds,
+                **updated.seconds,
+                "sync": time.perf_counter() - tick if applied else 0.0,
+            }
 
             # 6. Metrics (TRL's names), eval, completions, health, checkpoint.
             updates.all_reduce(d)
@@ -199,11 +221,30 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
 
 
 class _Run:
-    """What the loop keeps around the steps: checkpoints (rank 0 writes; FSDP: every rank its
-    shard), held-out evaluation (each rank its shard, sums all-reduced), and divergence stops."""
+    """What the loop keeps around the steps: the metrics log and the health checks, checkpoints
+    (rank 0 writes; FSDP: every rank its shard), held-out evaluation (each rank its shard, sums
+    all-reduced), and divergence stops."""
 
-    def __init__(self, cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, log: MetricsLogger):
-        self.cfg, self.parts, self.run_dir, self.config_yaml, self.log = cfg, parts, run_dir, config_yaml, log
+    def __init__(self, cfg: Config, parts: Parts, run_dir: Path, config_yaml: str):
+        self.cfg, self.parts, self.run_dir, self.config_yaml = cfg, parts, run_dir, config_yaml
+        t, start_step = cfg.trainer, parts.state.step
+        self.log = MetricsLogger(
+            run_dir,
+            total_steps=parts.total_steps,
+            quiet=t.quiet,
+            writer=parts.dist.is_main,  # rank 0 alone writes metrics and prints
+            resume_step=start_step,
+            report_to=tuple(t.report_to),
+            run_config=asdict(cfg),  # for W&B / Trackio
+        )
+        self.health = HealthMonitor(
+            num_iterations=t.num_iterations,
+            beta=cfg.loss.beta,
+            dynamic_sampling=t.dynamic_sampling,
+            enabled=t.health_checks,
+            resume_step=start_step,
+            mismatch_tolerance=parts.sampler.tolerance[0],
+        )
         self.resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
         group_by = cfg.data.eval_group_by
         self.eval_sets = [  # (metric prefix, examples, their values of data.eval_group_by), found once
@@ -297,11 +338,12 @@ def _say_before_after(log, before: dict, last_row: dict, parts: Parts) -> None:
 
 
 def _completion_records(
-    batch: Rollout, sampled: phases.Sampled, tokenizer, step: int, limit: int
+    batch: Batch, sampled: phases.Sampled, tokenizer, step: int, limit: int
 ) -> list[dict]:
-    """The first `limit` completions of the rollout trained on, as completions.jsonl records."""
+    """The first `limit` completions of the batch trained on, as completions.jsonl records."""
     n = min(limit, batch.rewards.shape[0])
-    texts = decode_completions(tokenizer, batch.completion_ids[:n], batch.completion_mask[:n])
+    r = batch.rollout
+    texts = decode_completions(tokenizer, r.completion_ids[:n], r.attention_mask[:n])
 
     # fp32 values to 8 significant digits (fp32 holds about 7): 1.2, not 1.2000000476837158.
     def floats(t: torch.Tensor) -> list:
@@ -318,10 +360,10 @@ def _completion_records(
         },
         totals=floats(batch.rewards[:n]),
         advantages=floats(batch.advantages[:n]),
-        lengths=batch.lengths[:n].tolist(),
-        truncated=batch.truncated[:n].tolist(),
+        lengths=r.lengths[:n].tolist(),
+        truncated=r.truncated[:n].tolist(),
         zero_std=batch.zero_std[:n].tolist(),
-        num_generations=sampled.num_generations,
+        num_generations=batch.num_generations,
     )
 
 

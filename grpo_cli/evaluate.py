@@ -42,7 +42,7 @@ def grade(
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
             rollout = sampler.generate([ex.prompt_ids for ex in chunk], num_generations=G, greedy=greedy)
-            _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout, G)
+            _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout)
             passed = passes(per_reward, total, judge.name if judge else None)
             correct = per_reward[judge.name] if judge else [None] * len(total)
             lengths = rollout.lengths.tolist()

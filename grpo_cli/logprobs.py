@@ -5,6 +5,7 @@ temperature are handled (ref 000.2, 000.3, 000.4).
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,92 +78,158 @@ def checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
-def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits).gather(targets) without materialising the [B, T, V] log-prob tensor:
-    logit of the target minus the row's logsumexp, computed row by row in fp32."""
-    out = []
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then top-p (nucleus) truncation, in the order and with the tie rules of
+    transformers' TopKLogitsWarper and TopPLogitsWarper. logits: [N, V] already tempered. The
+    built-in sampler draws from softmax of these; the trainer replays them (token_scores) to score
+    the distribution a sampler drew from."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)  # [N, V]
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False  # keep at least the most likely token
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    return logits
+
+
+def truncates(top_k: int, top_p: float) -> bool:
+    """Whether sampling with these settings draws from a truncated distribution."""
+    return bool(top_k) or top_p < 1.0
+
+
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature).gather(targets) without materialising a [B, T, V] tensor
+    (neither the log-probs nor the tempered logits): logit of the target minus the row's
+    logsumexp, computed row by row in fp32."""
+    return token_scores(logits, targets, temperature=temperature).logps
+
+
+class TokenScores(NamedTuple):
+    logps: torch.Tensor  # [B, T] log softmax(logits / T) at the targets (the policy's; with gradient)
+    entropy: torch.Tensor | None  # [B, T] entropy of softmax(logits / T), no gradient (monitoring)
+    # [B, T] the targets' log-probs under the sampler's distribution (top-k/top-p replayed on
+    # softmax(logits / T): the distribution the samplers' contract records), no gradient; the same
+    # values as logps when nothing truncates.
+    behaviour: torch.Tensor
+
+
+def token_scores(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> TokenScores:
+    """Per-token scores of targets [B, T] under softmax(logits / temperature) [B, T, V], row by row
+    in fp32: the vocabulary-wide temporaries are one row's [T, V] (logits already tempered, as
+    _forward_logits returns them: temperature=1, no copy at all in fp32)."""
+    logps, entropies, behaviour = [], [], []
+    truncating = truncates(top_k, top_p)
     for row_logits, row_targets in zip(logits, targets):  # [T, V], [T]
-        row_logits = row_logits.float()
-        picked = row_logits.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)  # [T]
-        out.append(picked - torch.logsumexp(row_logits, dim=-1))
-    return torch.stack(out)  # [B, T]
+        row = (row_logits if temperature == 1.0 else row_logits / temperature).float()  # [T, V]
+        picked = row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)  # [T]
+        logps.append(picked - torch.logsumexp(row, dim=-1))
+        if not (with_entropy or truncating):
+            continue
+        with torch.no_grad():
+            row = row.detach()
+            if with_entropy:
+                logp = F.log_softmax(row, dim=-1)  # [T, V]
+                entropies.append(-(logp.exp() * logp).sum(-1))
+            if truncating:
+                kept = filter_logits(row, top_k, top_p)  # [T, V]
+                # The sampled token stays in (its own logit): a near-tie at the cut-off that the
+                # sampler's rounding kept and the trainer's drops would otherwise score -inf.
+                kept = kept.scatter(-1, row_targets.unsqueeze(-1), picked.detach().unsqueeze(-1))
+                behaviour.append(picked.detach() - torch.logsumexp(kept, dim=-1))
+    logps = torch.stack(logps)  # [B, T]
+    return TokenScores(
+        logps,
+        torch.stack(entropies) if with_entropy else None,
+        torch.stack(behaviour) if truncating else logps.detach(),
+    )
 
 
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per position, row by row (monitoring only, no gradient)."""
-    out = []
-    for row in logits:  # [T, V]
-        logp = F.log_softmax(row.float(), dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.stack(out)  # [B, T]
-
-
-def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[int, int]:
-    """(first prompt column holding a real token in some row, completion columns up to the
-    longest completion): the columns outside are padding in every row, no work to spend on."""
+def padding_bounds(prompt_mask: torch.Tensor, attention_mask: torch.Tensor) -> tuple[int, int]:
+    """(first prompt column holding a real token in some row, completion columns up to the last
+    attended one of any row): the columns outside are padding in every row, no work to spend on.
+    (A completion's attended tokens need not be a contiguous prefix.)"""
     first = int(prompt_mask.any(0).long().argmax())
-    used = int(completion_mask.sum(-1).max().clamp(min=1))
+    attended = attention_mask.bool().any(0)  # [C]
+    used = int(attended.nonzero().max()) + 1 if bool(attended.any()) else 1
     return first, used
 
 
-def shared_prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-    """G when the rows come in runs of G identical prompts (a GRPO batch: G completions per
-    prompt, one group's rows consecutive), else 1."""
-    n = prompt_ids.shape[0]
-    first = torch.nonzero((prompt_ids != prompt_ids[:1]).any(-1) | (prompt_mask != prompt_mask[:1]).any(-1))
-    G = int(first[0]) if first.numel() else n  # length of the first run
-    if G <= 1 or n % G:
-        return 1
-    same = (prompt_ids.view(n // G, G, -1) == prompt_ids[::G, None]).all() and (
-        prompt_mask.view(n // G, G, -1) == prompt_mask[::G, None]
-    ).all()
-    return G if bool(same) else 1
-
-
 def _forward_logits(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, shared_prompt: bool = True
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    attention_mask,
+    num_generations: int = 1,
+    shared_prompt: bool = True,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Logits [B, C, V] that score the C completion tokens: logits at position t score token
-    t+1 (ref 000.2), so they are the ones from the last prompt position to the second-to-last
-    completion position; only those are materialised.
+    """Logits [B, C, V] that score the C completion tokens, divided by the temperature (ref
+    000.4): logits at position t score token t+1 (ref 000.2), so they are the ones from the last
+    prompt position to the second-to-last completion position; only those are materialised.
+    attention_mask [B, C]: the completion-side tokens the model sees (rollout.Rollout: it may have
+    holes). The temperature divides the fresh logits in place: no second [B, C, V] tensor. (In
+    place is safe here: the output layer's backward and a soft-capping's final scaling keep no
+    copy of their output; an architecture whose last op did would make autograd raise, not
+    compute a wrong gradient.)
 
-    When the rows come in groups of G identical prompts, each prompt is run once and its KV
-    cache is shared by its G completions (gradients flow back into the prompt's pass through
-    the cache). Same numbers as running every [prompt, completion] row in full, up to float
-    rounding (tested), at a fraction of the cost: prompts are often most of the tokens.
-    shared_prompt=False always runs the plain full rows (for an architecture not tested here).
+    The rows come in groups of num_generations (G) consecutive rows that share one prompt (a
+    rollout's contract); with G > 1 each prompt is run once and its KV cache is shared by its G
+    completions (gradients flow back into the prompt's pass through the cache). Same numbers as
+    running every [prompt, completion] row in full, up to float rounding (tested), at a fraction
+    of the cost: prompts are often most of the tokens. shared_prompt=False always runs the plain
+    full rows (for an architecture not tested here).
     """
-    C = completion_ids.shape[1]
-    G = shared_prompt_groups(prompt_ids, prompt_mask) if shared_prompt else 1
+    B, C = completion_ids.shape
+    G = num_generations if shared_prompt else 1
+    if B % G:
+        raise ValueError(f"_forward_logits: {B} rows are not groups of num_generations={G}")
     use_cache = G > 1 and not checkpointing(model)
     if not use_cache:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # [B, P+C]
+        mask = torch.cat([prompt_mask, attention_mask], dim=1).long()  # [B, P+C]
         logits = model_logits(
             model,
             input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
             logits_to_keep=C + 1,
             use_cache=False,
         )  # [B, C+1, V]
-        return logits[:, :-1, :]  # [B, C, V]: logits[:, i] predicts completion token i
+        return _tempered(
+            logits[:, :-1, :], temperature
+        )  # [B, C, V]: logits[:, i] predicts completion token i
     cache, first = prefill(model, prompt_ids[::G], prompt_mask[::G].long())  # [B/G, 1, V]
     first_logits = first.repeat_interleave(G, dim=0)  # [B, 1, V]: scores completion token 0
     if C == 1:
-        return first_logits
+        return _tempered(first_logits, temperature)
     cache.batch_repeat_interleave(G)  # [B/G, ...] -> [B, ...], differentiable
-    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1).long()  # [B, P+C-1]
+    mask = torch.cat([prompt_mask, attention_mask[:, :-1]], dim=1).long()  # [B, P+C-1]
     rest = model_logits(
         model,
         input_ids=completion_ids[:, :-1],
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask)[:, prompt_ids.shape[1] :],
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask)[:, prompt_ids.shape[1] :],
         past_key_values=cache,
         use_cache=True,
     )  # [B, C-1, V]
-    return torch.cat([first_logits, rest], dim=1)  # [B, C, V]
+    return _tempered(torch.cat([first_logits, rest], dim=1), temperature)  # [B, C, V]
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, in place (the same values and gradient as out of place)."""
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def token_logprobs(
@@ -170,48 +237,65 @@ def token_logprobs(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
     *,
     temperature: float,
+    num_generations: int = 1,
     with_entropy: bool = False,
     shared_prompt: bool = True,
 ):
-    """Log-probs of each completion token under softmax(logits / temperature).
+    """Log-probs of each completion token under softmax(logits / temperature), the distribution
+    the sampler drew from before any truncation (ref 000.4).
 
-    prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C] are
-    right-padded (mask 1 up to and including EOS). Returns logps [B, C] (and entropy [B, C]).
-    shared_prompt: run a group's prompt once and share its KV cache (see _forward_logits).
+    prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/attention_mask [B, C] are
+    right-padded (rollout.Rollout). Returns logps [B, C] (and entropy [B, C]); positions outside
+    the caller's trained-token mask hold values no one should read.
+    num_generations: the rows' group size (one prompt per G consecutive rows); shared_prompt: run
+    a group's prompt once and share its KV cache (see _forward_logits).
     """
     logits = _forward_logits(
-        model, prompt_ids, prompt_mask, completion_ids, completion_mask, shared_prompt
-    )  # [B, C, V]
-    # Same tempered distribution the sampler drew from (ref 000.4).
-    logits = logits / temperature
-    logps = selective_logprobs(logits, completion_ids)  # [B, C]
-    if with_entropy:
-        return logps, entropy_from_logits(logits.detach())
-    return logps
+        model,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        attention_mask,
+        num_generations,
+        shared_prompt,
+        temperature,
+    )  # [B, C, V], tempered
+    scores = token_scores(logits, completion_ids, temperature=1.0, with_entropy=with_entropy)
+    return (scores.logps, scores.entropy) if with_entropy else scores.logps
 
 
 class TokenLogprobs(torch.nn.Module):
-    """token_logprobs(model, ...) with entropy, as a module's forward: what the training step runs.
-    A module so that DistributedDataParallel can wrap it: DDP's forward arms the gradient
+    """What the training step runs on a micro-batch: the policy's log-probs, their entropy, and
+    the log-probs under the sampler's own (truncated) distribution (TokenScores), as a module's
+    forward. A module so that DistributedDataParallel can wrap it: DDP's forward arms the gradient
     all-reduce that the backward then runs (distributed.wrap_scorer); one process runs it as is."""
 
-    def __init__(self, model, *, temperature: float, shared_prompt: bool):
+    def __init__(self, model, *, temperature: float, shared_prompt: bool, top_k: int = 0, top_p: float = 1.0):
         super().__init__()
         self.model = model
         self.temperature = temperature
         self.shared_prompt = shared_prompt
+        self.top_k, self.top_p = top_k, top_p
 
-    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        return token_logprobs(
+    def forward(self, prompt_ids, prompt_mask, completion_ids, attention_mask, num_generations: int = 1):
+        logits = _forward_logits(
             self.model,
             prompt_ids,
             prompt_mask,
             completion_ids,
-            completion_mask,
-            temperature=self.temperature,
+            attention_mask,
+            num_generations,
+            self.shared_prompt,
+            self.temperature,
+        )  # [b, C, V], tempered
+        return token_scores(
+            logits,
+            completion_ids,
+            temperature=1.0,
             with_entropy=True,
-            shared_prompt=self.shared_prompt,
-        )  # ([b, C], [b, C])
+            top_k=self.top_k,
+            top_p=self.top_p,
+        )  # TokenScores: [b, C] each

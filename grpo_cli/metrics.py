@@ -389,16 +389,18 @@ def step_row(
     started: float,
     phase: dict[str, float],
 ) -> dict[str, Any]:
-    """One training step's metrics row (TRL's names where TRL has one). `batch` is the rollout
-    trained on (rollout.Rollout, rewards filled); `sampled` what dynamic sampling drew in all
-    (step.Sampled: every sampled group's rewards, its zero-std count, num_generations); `started`: the step's
-    time.perf_counter() at its start."""
+    """One training step's metrics row (TRL's names where TRL has one). `batch` is the scored
+    batch trained on (rollout.Batch); `sampled` what dynamic sampling drew in all (step.Sampled:
+    every sampled group's rewards, its zero-std count); `started`: the step's time.perf_counter()
+    at its start. Token counts are of the trained tokens (Rollout.trained_mask); lengths count
+    every completion-side token."""
 
     from grpo_cli.rewards import passes, reward_metrics
 
-    G, step_time = sampled.num_generations, time.perf_counter() - started
-    lengths = batch.lengths.float()
+    r, G, step_time = batch.rollout, batch.num_generations, time.perf_counter() - started
+    lengths = r.lengths.float()
     rewards = batch.rewards
+    trained = r.trained_mask
     return {
         "step": step,
         "reward": float(rewards.mean()),
@@ -413,19 +415,18 @@ def step_row(
         "num_groups_resampled": sampled.resampled_groups,
         "num_groups_rescued": sampled.rescued_groups,
         **updates.row(num_iterations),
-        "prompts/mean_length": float(batch.prompt_mask.sum(-1).float().mean()),
+        "prompts/mean_length": float(r.prompt_mask.sum(-1).float().mean()),
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(batch.truncated.float().mean()),
+        "completions/clipped_ratio": float(r.truncated.float().mean()),
         # The sampled tokens' mean -log p (the sampler's, tempered), every row: a Monte Carlo
         # estimate of the entropy that needs no forward (health's stand-in for `entropy` on a step
         # that trained on no row).
-        "sampler/neg_logp_mean": float(-(batch.sampler_logps * batch.completion_mask).sum())
-        / max(float(batch.completion_mask.sum()), 1.0),
+        "sampler/neg_logp_mean": float(-(r.sampler_logps * trained).sum()) / max(float(trained.sum()), 1.0),
         "learning_rate": float(learning_rate),
         "step_time": step_time,
-        "tokens_per_second": float(batch.completion_mask.sum()) / step_time,
+        "tokens_per_second": float(trained.sum()) / step_time,
         # Where the step's time went (seconds); policy = forward+backward of all micro-batches.
         **{f"time/{name}": seconds for name, seconds in phase.items()},
         "pass_rate_hist": pass_rate_histogram(passes(sampled.per_reward, sampled.totals, sampled.judge), G),

@@ -1,6 +1,22 @@
-"""Rollouts: a step's sampled completions as tensors (prompts, completions, masks, the sampler's
-log-probs, and what scoring adds), and the row operations the loop uses (rows, select, concat).
-What draws them is a sampler (grpo_cli/samplers/)."""
+"""Rollouts: a step's sampled completions as one frozen record, built whole by what drew them (a
+sampler), and the scored batch one step trains on, built whole once its rewards and advantages
+are known. Row operations: select (whole groups), concat, and Batch.rows (a micro-batch).
+
+Three masks, three meanings (docs/how-training-works.md, "The rollout"):
+
+    attention_mask  [N, C]  the completion-side tokens the model sees: every sampled token, and any
+                            token something other than the policy wrote there (an environment's
+                            reply). Right-padded; it may have holes (positions count the attended
+                            tokens only, logprobs.position_ids_from_mask).
+    trained_mask    [N, C]  the tokens the policy sampled: what the loss, the KL, the entropy, TIS,
+                            the step-0 self-check and the mismatch metrics count. A subset of
+                            attention_mask: tokens the policy did not sample are attended to and
+                            never trained. Need not be a contiguous prefix either.
+    the reward span         what rewards read: the attended completion, decoded
+                            (rewards.decode_completions).
+
+A single-turn rollout's two masks are equal (1 up to and including the first EOS).
+"""
 
 from __future__ import annotations
 
@@ -11,73 +27,78 @@ import torch.nn.functional as F
 
 from grpo_cli.logprobs import padding_bounds
 
+_COMPLETION_COLUMNS = ("completion_ids", "attention_mask", "trained_mask", "sampler_logps")
 
-@dataclass
+
+@dataclass(frozen=True)
 class Rollout:
-    prompt_ids: torch.Tensor  # [N, P] left-padded, N = prompts * G, one group's rows consecutive
-    prompt_mask: torch.Tensor  # [N, P]
-    completion_ids: torch.Tensor  # [N, C] right-padded with pad_id after EOS
-    completion_mask: torch.Tensor  # [N, C] 1 up to and including the first EOS
-    truncated: torch.Tensor  # [N] bool: no EOS within max_new_tokens
-    sampler_logps: torch.Tensor  # [N, C] fp32 log-probs of the sampled tokens, tempered
-    # Filled by the trainer once the rollout is scored (None until then):
-    rewards: torch.Tensor | None = None  # [N] weighted total reward
-    advantages: torch.Tensor | None = None  # [N] per group (loss.group_advantages), detached
-    zero_std: torch.Tensor | None = None  # [N] bool: the row's group carries no signal
-    group_std: torch.Tensor | None = None  # [N] the row's group reward std
-    loss_mask: torch.Tensor | None = None  # [N, C] completion tokens that may enter the loss
-    ref_logps: torch.Tensor | None = None  # [N, C] reference-model log-probs (loss.beta > 0)
-    # For the completions log (samples.py): the row's prompt as an index into the step's drawn
-    # examples, and each configured reward's value (NaN where a reward returned None).
-    prompt_index: torch.Tensor | None = None  # [N] long
-    reward_values: torch.Tensor | None = None  # [N, R]
+    """Sampled completions, G per prompt, never changed once built (samplers.Sampler.generate)."""
+
+    num_generations: int  # G: the rows come in groups of G consecutive rows that share one prompt
+    prompt_ids: torch.Tensor  # [N, P] left-padded, N = prompts * G
+    prompt_mask: torch.Tensor  # [N, P] 1 on the prompt's tokens
+    completion_ids: torch.Tensor  # [N, C] right-padded with pad_id
+    attention_mask: torch.Tensor  # [N, C] long: the completion-side tokens the model sees
+    trained_mask: torch.Tensor  # [N, C] long: the tokens the policy sampled (within attention_mask)
+    truncated: torch.Tensor  # [N] bool: stopped by a length budget, not by an end of sequence
+    # [N, C] fp32: each sampled token's log-prob under the distribution it was drawn from (the
+    # samplers' contract, samplers.Sampler); 0 where trained_mask is 0.
+    sampler_logps: torch.Tensor
+
+    def __post_init__(self):
+        N, C = self.completion_ids.shape
+        if self.num_generations < 1 or N % self.num_generations:
+            raise ValueError(f"Rollout: {N} rows are not groups of num_generations={self.num_generations}")
+        for name in _COMPLETION_COLUMNS:
+            if tuple(getattr(self, name).shape) != (N, C):
+                raise ValueError(f"Rollout.{name} is {tuple(getattr(self, name).shape)}, expected {(N, C)}")
+        if bool((self.trained_mask.bool() & ~self.attention_mask.bool()).any()):
+            raise ValueError(
+                "Rollout: a trained token must be attended to (trained_mask within attention_mask)"
+            )
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(-1)  # [N]
+        """Completion-side tokens of each row, sampled or not: [N]."""
+        return self.attention_mask.sum(-1)
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(prompt_ids, prompt_mask, completion_ids, completion_mask): what logprobs.token_logprobs scores."""
-        return self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask
+        """(prompt_ids, prompt_mask, completion_ids, attention_mask): what logprobs.token_logprobs scores."""
+        return self.prompt_ids, self.prompt_mask, self.completion_ids, self.attention_mask
 
     def to(self, device) -> Rollout:
         """The rollout with every tensor on `device` (gathered across processes on the CPU)."""
-        return Rollout(
-            **{
-                f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                for f in fields(self)
-            }
-        )
-
-    def rows(self, index: torch.Tensor) -> Rollout:
-        """A micro-batch: the rows `index` [n], without the prompt columns that are padding in all
-        of them and the completion columns past their longest completion."""
-        sub = select(self, index)
-        first, used = padding_bounds(sub.prompt_mask, sub.completion_mask)
-        trimmed = {f.name: getattr(sub, f.name) for f in fields(self) if getattr(sub, f.name) is not None}
-        for name in ("prompt_ids", "prompt_mask"):
-            trimmed[name] = trimmed[name][:, first:]  # [n, P']
-        for name in ("completion_ids", "completion_mask", "sampler_logps", "loss_mask", "ref_logps"):
-            if name in trimmed:
-                trimmed[name] = trimmed[name][:, :used]  # [n, C']
-        return replace(sub, **trimmed)
+        return _map_tensors(self, lambda t: t.to(device))
 
 
-def select(rollout: Rollout, rows: torch.Tensor) -> Rollout:
-    """The given rows (index tensor [n]) of a rollout."""
-    return Rollout(
+def _map_tensors(record, fn, **changes):
+    """A frozen record with fn applied to each of its tensor fields (others kept), and `changes`."""
+    return replace(
+        record,
         **{
-            f.name: None if getattr(rollout, f.name) is None else getattr(rollout, f.name)[rows]
-            for f in fields(Rollout)
-        }
+            f.name: fn(getattr(record, f.name))
+            for f in fields(record)
+            if isinstance(getattr(record, f.name), torch.Tensor)
+        },
+        **changes,
+    )
+
+
+def select(rollout: Rollout, rows: torch.Tensor, num_generations: int | None = None) -> Rollout:
+    """The given rows (index tensor [n]): whole groups of the rollout's G, or `num_generations`
+    rows of one prompt (a group chosen from several rounds)."""
+    return _map_tensors(
+        rollout, lambda t: t[rows], num_generations=num_generations or rollout.num_generations
     )
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
-    """Stack sampled (and scored) rollouts of different widths: prompts stay left-padded,
-    completions right-padded."""
+    """Stack rollouts of one G and different widths: prompts stay left-padded, completions right-padded."""
     if len(rollouts) == 1:
         return rollouts[0]
+    G = {r.num_generations for r in rollouts}
+    if len(G) != 1:
+        raise ValueError(f"concat: rollouts of different num_generations {sorted(G)}")
     P = max(r.prompt_ids.shape[1] for r in rollouts)
     C = max(r.completion_ids.shape[1] for r in rollouts)
 
@@ -88,16 +109,47 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         return F.pad(t, (extra, 0) if left else (0, extra), value=value)
 
     return Rollout(
+        num_generations=G.pop(),
         prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_id, True) for r in rollouts]),
         prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, True) for r in rollouts]),
         completion_ids=torch.cat([pad(r.completion_ids, C, pad_id, False) for r in rollouts]),
-        completion_mask=torch.cat([pad(r.completion_mask, C, 0, False) for r in rollouts]),
+        attention_mask=torch.cat([pad(r.attention_mask, C, 0, False) for r in rollouts]),
+        trained_mask=torch.cat([pad(r.trained_mask, C, 0, False) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         sampler_logps=torch.cat([pad(r.sampler_logps, C, 0.0, False) for r in rollouts]),
-        **{
-            name: torch.cat([getattr(r, name) for r in rollouts])
-            if all(getattr(r, name) is not None for r in rollouts)
-            else None
-            for name in ("rewards", "prompt_index", "reward_values")
-        },
     )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A scored rollout: what one step trains on, built whole (step.advantages) once its rewards
+    and advantages are known, never changed after."""
+
+    rollout: Rollout
+    rewards: torch.Tensor  # [N] weighted total reward
+    reward_values: torch.Tensor  # [N, R] each configured reward's value, NaN where it returned None
+    prompt_index: torch.Tensor  # [N] long: the row's prompt, an index into the step's drawn examples
+    advantages: torch.Tensor  # [N] per group (loss.group_advantages), detached
+    zero_std: torch.Tensor  # [N] bool: the row's group carries no signal
+    group_std: torch.Tensor  # [N] the row's group reward std
+    # [N, C] the trained tokens that enter the loss: trained_mask, less the rows of truncated
+    # completions under loss.mask_truncated_completions.
+    loss_mask: torch.Tensor
+
+    @property
+    def num_generations(self) -> int:
+        return self.rollout.num_generations
+
+    def rows(self, index: torch.Tensor) -> Batch:
+        """A micro-batch: the rows `index` [n] (whole groups), without the prompt columns that are
+        padding in all of them and the completion columns past their last attended token."""
+        sub = _map_tensors(self, lambda t: t[index])
+        r = select(self.rollout, index)
+        first, used = padding_bounds(r.prompt_mask, r.attention_mask)
+        r = replace(
+            r,
+            prompt_ids=r.prompt_ids[:, first:],  # [n, P']
+            prompt_mask=r.prompt_mask[:, first:],
+            **{name: getattr(r, name)[:, :used] for name in _COMPLETION_COLUMNS},  # [n, C']
+        )
+        return replace(sub, rollout=r, loss_mask=sub.loss_mask[:, :used])

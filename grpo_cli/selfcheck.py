@@ -64,8 +64,8 @@ def compare_logprobs(
     mask: torch.Tensor,
     tolerance: tuple[float, float],
 ) -> LogprobCheck:
-    """|trainer - sampler| log-prob over the valid tokens of a micro-batch [B, C], against the
-    sampler's declared (mean, max) tolerance."""
+    """|trainer - sampler| log-prob over the trained tokens (mask [B, C]: Rollout.trained_mask) of
+    a micro-batch, against the sampler's declared (mean, max) tolerance."""
     valid = mask.bool()  # [B, C]
     diff = (trainer_logps.float() - sampler_logps.float()).abs()[valid]  # [valid tokens]
     return LogprobCheck(
@@ -75,13 +75,20 @@ def compare_logprobs(
 
 @torch.no_grad()
 def diagnose(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logps, temperature: float
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    attention_mask,
+    trained_mask,
+    sampler_logps,
+    temperature: float,
 ) -> str:
     """Recompute the log-probs the usual wrong ways; the one that matches the sampler names the bug."""
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
-    attn = torch.cat([prompt_mask, completion_mask], 1).long()
+    attn = torch.cat([prompt_mask, attention_mask], 1).long()
     C = completion_ids.shape[1]
-    valid = completion_mask.bool()
+    valid = trained_mask.bool()
 
     def err(logps):
         return float((logps.float() - sampler_logps.float()).abs()[valid].max())
@@ -107,30 +114,39 @@ def diagnose(
     )
 
 
-def check_micro_batch(
-    policy, check: LogprobCheck, mb, precision: str, temperature: float, worst: LogprobCheck | None
-) -> LogprobCheck:
-    """Step-0 self-check (ref 000.8) of one micro-batch `mb` (a rollout.Rollout) of the first step,
-    before any update: `check` (compare_logprobs of the trainer's and the sampler's log-probs)
-    must be within the sampler's tolerance (same tempered distribution, same shift and padding).
-    Raises SelfCheckError with a diagnosis; returns `check` merged with `worst` (the earlier
-    micro-batches')."""
-    if not check.ok:
-        with torch.no_grad():
-            why = diagnose(
-                policy,
-                mb.prompt_ids,
-                mb.prompt_mask,
-                mb.completion_ids,
-                mb.completion_mask,
-                mb.sampler_logps,
-                temperature,
+@dataclass(frozen=True)
+class FirstStep:
+    """The step-0 self-check (ref 000.8) of a run's first step: what it needs beyond each
+    micro-batch's log-prob comparison (the policy, to diagnose a mismatch, the precision's name
+    and the sampling temperature)."""
+
+    policy: object
+    precision: str
+    temperature: float
+
+    def micro_batch(self, check: LogprobCheck, mb, worst: LogprobCheck | None) -> LogprobCheck:
+        """One micro-batch `mb` (a rollout.Rollout) of the first step, before any update: `check`
+        (compare_logprobs of the trainer's and the sampler's log-probs over its trained tokens)
+        must be within the sampler's tolerance (same tempered distribution, same shift and
+        padding). Raises SelfCheckError with a diagnosis; returns `check` merged with `worst` (the
+        earlier micro-batches')."""
+        if not check.ok:
+            with torch.no_grad():
+                why = diagnose(
+                    self.policy,
+                    mb.prompt_ids,
+                    mb.prompt_mask,
+                    mb.completion_ids,
+                    mb.attention_mask,
+                    mb.trained_mask,
+                    mb.sampler_logps,
+                    self.temperature,
+                )
+            raise SelfCheckError(
+                f"step-0 self-check failed ({self.precision}): {check.describe()}, so the trainer does not "
+                f"score the distribution the sampler drew from.\n{why}"
             )
-        raise SelfCheckError(
-            f"step-0 self-check failed ({precision}): {check.describe()}, so the trainer does not score "
-            f"the distribution the sampler drew from.\n{why}"
-        )
-    return check.merge(worst)
+        return check.merge(worst)
 
 
 def report(

@@ -1,10 +1,13 @@
-"""The phases of one training step, each a function the loop (engine.py) calls by name:
+"""The phases of one training step, each a function the loop (engine.py) calls by name with the
+few objects it uses:
 
     sample_and_score -> advantages -> micro_batches -> reference_logprobs -> update
 
-They read the typed config by name and run on the parts build.py made. The math is in loss.py,
-the log-probs in logprobs.py, the sampling behind parts.sampler (samplers/), the optimizer's side
-of an update in optim.OptimizerStep. Rule numbers (ref 000.1, ...) are in docs/reference.md.
+Each returns what it made (and the seconds it spent), and changes nothing it was given but the
+policy's gradients. The math is in loss.py, the log-probs in logprobs.py, the sampling behind a
+samplers.Sampler, the optimizer's side of an update in optim.OptimizerStep. The group size is
+read from the config once, where the sampler is asked for completions; from there on it travels
+with the rollout (Rollout.num_generations). Rule numbers (ref 000.1, ...) are in docs/reference.md.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import torch
 
 from grpo_cli import selfcheck
 from grpo_cli.adapters import disabled_adapters
-from grpo_cli.config import Config
-from grpo_cli.distributed import gradient_sync, is_sharded, prompt_seed, shard
+from grpo_cli.config import LossConfig, SamplerConfig, TrainerConfig
+from grpo_cli.distributed import Dist, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
     group_advantages,
@@ -29,22 +32,27 @@ from grpo_cli.loss import (
     zero_std_groups,
 )
 from grpo_cli.metrics import UpdateStats
-from grpo_cli.precision import autocast
-from grpo_cli.rewards import correctness, passes, score_examples
-from grpo_cli.rollout import Rollout, concat, select
+from grpo_cli.optim import OptimizerStep, StepResult
+from grpo_cli.precision import Precision, autocast
+from grpo_cli.rewards import Rewards, correctness, passes, score_examples
+from grpo_cli.rollout import Batch, Rollout, concat, select
+from grpo_cli.samplers import Sampler
 from grpo_cli.selfcheck import compare_logprobs
 
 
 @dataclass
 class Sampled:
-    """One step's sampling: the rollout to train on (None when dynamic sampling kept no group), and
-    what was drawn in all: every sampled completion's per-reward values and totals (adaptive
-    rounds and discarded groups included), how many prompts, how many of their groups zero-std,
-    how many completions, and what adaptive group sizes did (prompts given more rounds, and of
-    them those whose group then carried signal)."""
+    """One step's sampling: the groups to train on (rollout, None when dynamic sampling kept no
+    group) with their rows' rewards, and what was drawn in all: every sampled completion's
+    per-reward values and totals (adaptive rounds and discarded groups included), how many
+    prompts, how many of their groups zero-std, how many completions, what adaptive group sizes
+    did (prompts given more rounds, and of them those whose group then carried signal), and the
+    seconds spent sampling and scoring."""
 
-    batch: Rollout | None
-    num_generations: int
+    rollout: Rollout | None
+    rewards: torch.Tensor | None = None  # [N] the training rows' weighted totals
+    reward_values: torch.Tensor | None = None  # [N, R] their per-reward values, None as NaN
+    prompt_index: torch.Tensor | None = None  # [N] their prompts, indices into `examples`
     judge: str | None = None  # the correctness reward's name (the pass rule), rewards.correctness
     per_reward: dict[str, list] = field(default_factory=dict)
     totals: list[float] = field(default_factory=list)
@@ -53,7 +61,8 @@ class Sampled:
     completions: int = 0
     resampled_groups: int = 0
     rescued_groups: int = 0
-    examples: list = field(default_factory=list)  # every drawn example (rollout.prompt_index's list)
+    examples: list = field(default_factory=list)  # every drawn example, in order
+    seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "reward": 0.0})
 
 
 @dataclass
@@ -70,93 +79,130 @@ class _Scored:
     rescued: int = 0
 
 
-def sample_and_score(cfg: Config, parts, phase: dict[str, float], step: int) -> Sampled:
-    """trainer.prompts_per_step prompts, a group of sampler.num_generations completions each
-    (adaptive group sizes: _sample_groups), scored. With trainer.dynamic_sampling (DAPO),
-    zero-std groups are dropped and more prompts are sampled (up to max_sampling_tries rollouts)
-    to fill the step with groups that carry signal.
+def sample_and_score(
+    step: int,
+    *,
+    stream,
+    sampler: Sampler,
+    rewards: Rewards,
+    tokenizer,
+    dist: Dist,
+    device,
+    trainer: TrainerConfig,
+    sampling: SamplerConfig,
+    loss: LossConfig,
+) -> Sampled:
+    """trainer.prompts_per_step prompts from `stream` (data.PromptStream), a group of
+    sampling.num_generations completions each (adaptive group sizes: _sample_groups), scored. With
+    trainer.dynamic_sampling (DAPO), zero-std groups (loss.std, loss.zero_std_threshold) are
+    dropped and more prompts are sampled (up to max_sampling_tries rollouts) to fill the step with
+    groups that carry signal.
 
     Prompt i of the step's draw is sampled from its own seed (seed, step, i, round). With several
     processes each rank samples and scores its shard of the prompts, and the scored rollouts are
     gathered: every rank then holds the whole step, in the order one process would have it."""
-    t, G, d = cfg.trainer, cfg.sampler.num_generations, parts.dist
-    judge = correctness(parts.rewards)
-    sampled = Sampled(batch=None, num_generations=G, judge=judge.name if judge else None)
-    kept, drawn = [], 0
+    t, G, pad_id = trainer, sampling.num_generations, tokenizer.pad_token_id
+    judge = correctness(rewards)
+    sampled = Sampled(rollout=None, judge=judge.name if judge else None)
+    kept, drawn = [], 0  # kept: (rollout, rewards, reward values, prompt index) of each group kept
     for _ in range(t.max_sampling_tries if t.dynamic_sampling else 1):
-        examples = parts.stream.take(t.prompts_per_step - len(kept))  # the same on every rank
-        mine = list(shard(len(examples), d.rank, d.world_size))
+        examples = stream.take(t.prompts_per_step - len(kept))  # the same on every rank
+        mine = list(shard(len(examples), dist.rank, dist.world_size))
         scored = _sample_groups(
-            cfg, parts, phase, step, [examples[i] for i in mine], [drawn + i for i in mine], sampled.judge
+            step,
+            [examples[i] for i in mine],
+            [drawn + i for i in mine],
+            sampler=sampler,
+            rewards=rewards,
+            tokenizer=tokenizer,
+            dist=dist,
+            judge=sampled.judge,
+            seed=t.seed,
+            num_generations=G,
+            sampling=sampling,
+            seconds=sampled.seconds,
         )
         drawn += len(examples)
-        scored = _gather_scored(d, scored, parts.device, parts.tokenizer.pad_token_id)
-        rollout = scored.rollout
-        rollout.rewards = torch.tensor(scored.totals, dtype=torch.float32, device=parts.device)  # [n*G]
-        rollout.prompt_index = torch.arange(
-            len(sampled.examples), len(sampled.examples) + len(examples), device=parts.device
-        ).repeat_interleave(G)  # [n*G]
-        rollout.reward_values = torch.tensor(  # [n*G, R], None as NaN
-            [[math.nan if v is None else v for v in values] for values in scored.per_reward.values()],
+        scored = _gather_scored(dist, scored, device, pad_id)
+        totals = torch.tensor(scored.totals, dtype=torch.float32, device=device)  # [n*G]
+        values = torch.tensor(  # [n*G, R], None as NaN
+            [[math.nan if v is None else v for v in column] for column in scored.per_reward.values()],
             dtype=torch.float32,
-            device=parts.device,
+            device=device,
         ).T
+        index = torch.arange(
+            len(sampled.examples), len(sampled.examples) + len(examples), device=device
+        ).repeat_interleave(G)  # [n*G]
         sampled.examples += examples
-        zero = zero_std_groups(
-            rollout.rewards, G, std=cfg.loss.std, zero_std_threshold=cfg.loss.zero_std_threshold
-        )
+        zero = zero_std_groups(totals, G, std=loss.std, zero_std_threshold=loss.zero_std_threshold)
         sampled.zero_std_groups += int(zero.sum())
         sampled.groups += len(examples)
         sampled.totals += scored.pool_totals
         sampled.completions += len(scored.pool_totals)
         sampled.resampled_groups += scored.resampled
         sampled.rescued_groups += scored.rescued
-        for name, values in scored.pool_per_reward.items():
-            sampled.per_reward.setdefault(name, []).extend(values)
+        for name, column in scored.pool_per_reward.items():
+            sampled.per_reward.setdefault(name, []).extend(column)
         keep = ~zero if t.dynamic_sampling else torch.ones_like(zero)
-        kept += [
-            select(rollout, torch.arange(g * G, (g + 1) * G, device=parts.device))
-            for g in torch.nonzero(keep).flatten().tolist()
-        ]
+        for g in torch.nonzero(keep).flatten().tolist():
+            rows = torch.arange(g * G, (g + 1) * G, device=device)
+            kept.append((select(scored.rollout, rows), totals[rows], values[rows], index[rows]))
         if len(kept) >= t.prompts_per_step:
             break
     if kept:
-        sampled.batch = concat(kept[: t.prompts_per_step], parts.tokenizer.pad_token_id)
+        kept = kept[: t.prompts_per_step]
+        sampled.rollout = concat([k[0] for k in kept], pad_id)
+        sampled.rewards, sampled.reward_values, sampled.prompt_index = (
+            torch.cat([k[i] for k in kept]) for i in (1, 2, 3)
+        )
     return sampled
 
 
-def _sample_groups(cfg: Config, parts, phase, step: int, examples, indices, judge) -> _Scored | None:
+def _sample_groups(
+    step: int,
+    examples,
+    indices,
+    *,
+    sampler: Sampler,
+    rewards: Rewards,
+    tokenizer,
+    dist: Dist,
+    judge: str | None,
+    seed: int,
+    num_generations: int,
+    sampling: SamplerConfig,
+    seconds: dict[str, float],
+) -> _Scored | None:
     """This rank's prompts (`indices`: their places in the step's draw), a training group of G
     completions each. Round 0 samples G of every prompt. With sampler.max_generations > G
     (adaptive group sizes), a prompt whose completions so far all pass or all fail (the pass
     rule: rewards.passes) gets G more in the next round, until it has both or max_generations;
     its group is then G of them, balanced (balanced_group). Every process enters every round's
-    sampler.sampling() (FSDP2 gathers the weights there), so rounds end on all ranks at once."""
-    G, d, t = cfg.sampler.num_generations, parts.dist, cfg.trainer
-    rounds = (cfg.sampler.max_generations or G) // G
+    sampler.sampling() (FSDP2 gathers the weights there), so rounds end on all ranks at once.
+    Adds the seconds spent to `seconds` (rollout, reward)."""
+    G = num_generations
+    rounds = (sampling.max_generations or G) // G
     pools: list[list] = [[] for _ in examples]  # per prompt: its rounds' (rollout, totals, per_reward)
     pending = list(range(len(examples)))
     for round in range(rounds):
         if round:
             pending = [j for j in pending if not _mixed(pools[j], judge)]
-            if not d.any(bool(pending)):
+            if not dist.any(bool(pending)):
                 break
         tick = time.perf_counter()
-        with parts.sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
+        with sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
             if pending:
-                rollout = parts.sampler.generate(
+                rollout = sampler.generate(
                     [examples[j].prompt_ids for j in pending],
-                    seeds=[prompt_seed(t.seed, step, indices[j], round) for j in pending],
+                    seeds=[prompt_seed(seed, step, indices[j], round) for j in pending],
                     num_generations=G,
-                    ignore_eos=cfg.sampler.ignore_eos,
+                    ignore_eos=sampling.ignore_eos,
                 )
-        phase["rollout"] += time.perf_counter() - tick
+        seconds["rollout"] += time.perf_counter() - tick
         if pending:
             tick = time.perf_counter()
-            _, total, per_reward = score_examples(
-                parts.rewards, parts.tokenizer, [examples[j] for j in pending], rollout, G
-            )
-            phase["reward"] += time.perf_counter() - tick
+            _, total, per_reward = score_examples(rewards, tokenizer, [examples[j] for j in pending], rollout)
+            seconds["reward"] += time.perf_counter() - tick
             for n, j in enumerate(pending):
                 rows = slice(n * G, (n + 1) * G)
                 pools[j].append(
@@ -168,14 +214,14 @@ def _sample_groups(cfg: Config, parts, phase, step: int, examples, indices, judg
                 )
     if not examples:
         return None
-    pad_id = parts.tokenizer.pad_token_id
+    pad_id = tokenizer.pad_token_id
     groups, scored = [], _Scored()
     for pool in pools:
         totals, per_reward = _pooled(pool)
         passed = passes(per_reward, totals, judge)
         chosen = balanced_group(passed, G)
-        rollout = concat([r for r, _, _ in pool], pad_id)
-        groups.append(select(rollout, torch.tensor(chosen)))
+        joined = concat([r for r, _, _ in pool], pad_id)  # the prompt's rounds: groups of G
+        groups.append(select(joined, torch.tensor(chosen), num_generations=G))
         scored.totals += [totals[i] for i in chosen]
         for name, values in per_reward.items():
             scored.per_reward.setdefault(name, []).extend(values[i] for i in chosen)
@@ -213,7 +259,7 @@ def balanced_group(passed: list[bool], G: int) -> list[int]:
     return sorted(wins[:k] + fails[: G - k])
 
 
-def _gather_scored(d, scored: _Scored | None, device, pad_id: int) -> _Scored:
+def _gather_scored(d: Dist, scored: _Scored | None, device, pad_id: int) -> _Scored:
     """Every rank's _Scored, joined in rank order (= prompt order)."""
     if not d.enabled:
         return scored
@@ -233,24 +279,31 @@ def _gather_scored(d, scored: _Scored | None, device, pad_id: int) -> _Scored:
     return joined
 
 
-def advantages(cfg: Config, batch: Rollout, device) -> tuple[tuple[int, int], bool]:
-    """Fill the scored batch's advantages, zero-std flags, group stds and loss mask; return the
-    step's loss normalisers (num_sequences, num_tokens) and whether it has any learning signal."""
-    lo = cfg.loss
-    advantages, zero_std, group_std = group_advantages(batch.rewards, cfg.sampler.num_generations, cfg=lo)
-    batch.advantages, batch.zero_std, batch.group_std = (
-        advantages.to(device),
-        zero_std.to(device),
-        group_std.to(device),
-    )
-    batch.loss_mask = batch.completion_mask.clone()  # [N, C]
+def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[int, int], bool]:
+    """The scored batch (rollout.Batch): the rows' advantages, zero-std flags and group stds
+    (ref 002, 004) and the loss mask (the trained tokens, less truncated completions under
+    loss.mask_truncated_completions); and the step's loss normalisers (num_sequences,
+    num_tokens) and whether it has any learning signal."""
+    r = sampled.rollout
+    adv, zero_std, group_std = group_advantages(sampled.rewards, r.num_generations, cfg=lo)
+    loss_mask = r.trained_mask.clone()  # [N, C]
     if lo.mask_truncated_completions:
-        batch.loss_mask[batch.truncated] = 0
+        loss_mask[r.truncated] = 0
+    batch = Batch(
+        rollout=r,
+        rewards=sampled.rewards,
+        reward_values=sampled.reward_values,
+        prompt_index=sampled.prompt_index,
+        advantages=adv.to(device),
+        zero_std=zero_std.to(device),
+        group_std=group_std.to(device),
+        loss_mask=loss_mask,
+    )
     norms = loss_normalizers(batch.loss_mask, batch.zero_std, zero_std_mode=lo.zero_std)
     signal = has_learning_signal(
         batch.advantages, batch.loss_mask, batch.zero_std, zero_std_mode=lo.zero_std, beta=lo.beta
     )
-    return norms, signal
+    return batch, norms, signal
 
 
 @dataclass
@@ -273,15 +326,25 @@ class MicroBatches:
         return [k for k in torch.randperm(len(self.rows)).tolist() if len(self.rows[k])]
 
 
-def micro_batches(cfg: Config, batch: Rollout, d, skip_zero_std: bool = True) -> MicroBatches:
-    t, G = cfg.trainer, cfg.sampler.num_generations
+def micro_batches(
+    batch: Batch,
+    *,
+    prompts_per_step: int,
+    accumulation_steps: int,
+    zero_std_mode: str,
+    d: Dist,
+    skip_zero_std: bool,
+) -> MicroBatches:
+    """This rank's micro-batches of a step of prompts_per_step groups, accumulation_steps of them
+    per update (over all ranks)."""
+    G = batch.num_generations
     groups = shard(batch.rewards.shape[0] // G, d.rank, d.world_size)
-    per_micro_batch = t.prompts_per_step // (t.gradient_accumulation_steps * d.world_size)
+    per_micro_batch = prompts_per_step // (accumulation_steps * d.world_size)
     rows = [
         torch.arange(i * G, min(i + per_micro_batch, groups.stop) * G)
         for i in range(groups.start, groups.stop, per_micro_batch)
     ]
-    if cfg.loss.zero_std == "mask" and skip_zero_std:
+    if zero_std_mode == "mask" and skip_zero_std:
         zero = batch.zero_std.cpu()  # [N] bool
         rows = [r[~zero[r]] for r in rows]
     real, runs = len(rows), sum(len(r) > 0 for r in rows)
@@ -290,23 +353,29 @@ def micro_batches(cfg: Config, batch: Rollout, d, skip_zero_std: bool = True) ->
     return MicroBatches(rows, real)
 
 
-def reference_logprobs(parts, batch: Rollout, plan: MicroBatches, temperature: float) -> torch.Tensor:
-    """The reference model's log-probs [N, C] of the rollout's completions, micro-batch by
+def reference_logprobs(
+    ref, batch: Batch, plan: MicroBatches, *, temperature: float, precision: Precision, shared_prompt: bool
+) -> torch.Tensor:
+    """The reference model's log-probs [N, C] of the batch's completions, micro-batch by
     micro-batch (with LoRA the reference is the policy with its adapters disabled)."""
-    ref = parts.ref
-    ref_logps = torch.zeros_like(batch.sampler_logps)  # [N, C]
+    r = batch.rollout
+    ref_logps = torch.zeros_like(r.sampler_logps)  # [N, C]
     # (FSDP2's all-gathers run under no_grad, not inference mode.)
     with (
         disabled_adapters(ref),
         torch.no_grad() if is_sharded(ref) else torch.inference_mode(),
-        autocast(ref_logps.device, parts.precision),
+        autocast(ref_logps.device, precision),
     ):
         for rows in plan.rows:
             if not len(rows):
                 continue
-            mb = batch.rows(rows)
+            mb = batch.rows(rows).rollout
             ref_logps[rows, : mb.completion_ids.shape[1]] = token_logprobs(
-                ref, *mb.inputs(), temperature=temperature, shared_prompt=parts.fast_paths
+                ref,
+                *mb.inputs(),
+                temperature=temperature,
+                num_generations=mb.num_generations,
+                shared_prompt=shared_prompt,
             ).float()
     return ref_logps.clone()  # leave inference mode: usable in autograd
 
@@ -314,28 +383,57 @@ def reference_logprobs(parts, batch: Rollout, plan: MicroBatches, temperature: f
 @dataclass
 class UpdateContext:
     """What one step's updates share: the step's loss normalisers, whether it has any learning
-    signal, and the first step's self-check (None on later steps)."""
+    signal, the reference log-probs (None when loss.beta is 0), and the first step's self-check
+    (None on later steps)."""
 
     norms: tuple[int, int]
     has_signal: bool
-    self_check: bool
+    ref_logps: torch.Tensor | None  # [N, C]
+    self_check: selfcheck.FirstStep | None
 
 
-def update(cfg: Config, parts, batch: Rollout, plan: MicroBatches, ctx: UpdateContext, phase, log):
-    """trainer.num_iterations updates on this rollout, each accumulating the gradient over the
-    shuffled micro-batches, then one optimizer step (parts.opt_step). Returns the UpdateStats and
-    the optimizer steps' results.
+@dataclass
+class Updated:
+    """What update() did: its stats (the metrics row's share), each optimizer step's result, and
+    the seconds spent in the forward/backward passes and in the optimizer."""
+
+    stats: UpdateStats
+    results: list[StepResult]
+    seconds: dict[str, float]
+
+
+def update(
+    batch: Batch,
+    plan: MicroBatches,
+    ctx: UpdateContext,
+    *,
+    scorer,
+    opt: OptimizerStep,
+    precision: Precision,
+    tolerance: tuple[float, float],
+    lo: LossConfig,
+    num_iterations: int,
+    max_new_tokens: int,
+    log,
+) -> Updated:
+    """num_iterations updates on this batch, each accumulating the gradient over the shuffled
+    micro-batches, then one optimizer step (opt). `scorer`: the training forward
+    (logprobs.TokenLogprobs, DDP-wrapped under several processes), run under `precision`'s
+    autocast; `tolerance`: the sampler's declared (mean, max) log-prob gap.
 
     The ratio's old log-probs are the trainer's own, detached, from before the first update (ref
     000.1): on iteration 0 the very forward being trained (ratio exactly 1 in any precision);
-    later iterations reuse them. The sampler's log-probs measure the sampler/trainer mismatch and
-    feed the optional TIS correction."""
-    t, lo, opt = cfg.trainer, cfg.loss, parts.opt_step
+    later iterations reuse them. The sampler's log-probs are compared with the trainer's replay
+    of the distribution they were drawn from (TokenScores.behaviour): that gap is the mismatch
+    metric and feeds the optional TIS correction. Every one of them counts the trained tokens
+    only (Rollout.trained_mask)."""
     updates = UpdateStats(grad_scaler=opt.scaler is not None)
-    old_logps = torch.zeros_like(batch.sampler_logps) if t.num_iterations > 1 else None  # [N, C]
-    is_weights = torch.ones_like(batch.sampler_logps) if lo.sampler_correction == "tis" else None  # [N, C]
+    seconds = {"policy": 0.0, "optimizer": 0.0}
+    sampler_logps = batch.rollout.sampler_logps  # [N, C]
+    old_logps = torch.zeros_like(sampler_logps) if num_iterations > 1 else None  # [N, C]
+    is_weights = torch.ones_like(sampler_logps) if lo.sampler_correction == "tis" else None  # [N, C]
     results, check = [], None
-    for iteration in range(t.num_iterations):
+    for iteration in range(num_iterations):
         order = plan.order()
         loss_total = 0.0
         updates.new_iteration()
@@ -343,39 +441,36 @@ def update(cfg: Config, parts, batch: Rollout, plan: MicroBatches, ctx: UpdateCo
         for n, k in enumerate(order):
             rows = plan.rows[k]
             mb = batch.rows(rows)
-            C = mb.completion_ids.shape[1]
+            r = mb.rollout
+            C = r.completion_ids.shape[1]
             # Several processes: DDP all-reduces the gradients in the last backward only (not at all
             # when the optimizer step reduces the fp32 masters' gradients itself).
             sync = n == len(order) - 1 and not opt.reduces_grads
-            with gradient_sync(parts.scorer, sync), autocast(parts.device, parts.precision):
-                logps, entropy = parts.scorer(*mb.inputs())  # token_logprobs, [b, C] each
-            logps = logps.float()  # [b, C]
+            with gradient_sync(scorer, sync), autocast(sampler_logps.device, precision):
+                scores = scorer(*r.inputs(), num_generations=r.num_generations)  # TokenScores, [b, C] each
+            logps = scores.logps.float()  # [b, C]
             if k >= plan.real:  # a stand-in micro-batch: zero gradients, reduced with the others
-                with gradient_sync(parts.scorer, sync):
+                with gradient_sync(scorer, sync):
                     opt.backward(logps.nan_to_num().sum() * 0.0)
                 continue
             if iteration == 0:
                 old = logps.detach()  # [b, C]
                 if old_logps is not None:
                     old_logps[rows, :C] = old
-                mismatch = compare_logprobs(
-                    old, mb.sampler_logps, mb.completion_mask, parts.sampler.tolerance
-                )
+                mismatch = compare_logprobs(scores.behaviour, r.sampler_logps, r.trained_mask, tolerance)
                 updates.add_mismatch(mismatch, len(rows))
                 if is_weights is not None:
                     is_weights[rows, :C] = truncated_importance_weights(
-                        old, mb.sampler_logps, mb.completion_mask, cap=lo.tis_cap
+                        scores.behaviour, r.sampler_logps, r.trained_mask, cap=lo.tis_cap
                     )
-                if ctx.self_check:
-                    check = selfcheck.check_micro_batch(
-                        parts.policy, mismatch, mb, parts.precision.name, cfg.sampler.temperature, check
-                    )
+                if ctx.self_check is not None:
+                    check = ctx.self_check.micro_batch(mismatch, r, check)
             else:
                 old = old_logps[rows, :C]
             loss, stats = grpo_loss(
                 logps,
                 old,
-                mb.ref_logps,
+                None if ctx.ref_logps is None else ctx.ref_logps[rows, :C],
                 mb.advantages,
                 mb.loss_mask,
                 cfg=lo,
@@ -383,22 +478,22 @@ def update(cfg: Config, parts, batch: Rollout, plan: MicroBatches, ctx: UpdateCo
                 group_std=mb.group_std,
                 num_sequences=ctx.norms[0],
                 num_tokens=ctx.norms[1],
-                max_new_tokens=cfg.sampler.max_new_tokens,
-                num_generations=cfg.sampler.num_generations,
+                max_new_tokens=max_new_tokens,
+                num_generations=r.num_generations,
                 importance_weights=None if is_weights is None else is_weights[rows, :C],
             )
-            with gradient_sync(parts.scorer, sync):
+            with gradient_sync(scorer, sync):
                 opt.backward(loss)
             loss_total += float(loss.detach())
-            updates.add(stats, entropy, mb.completion_mask)
+            updates.add(stats, scores.entropy, r.trained_mask)
         if iteration == 0 and check is not None:
             selfcheck.report(check, batch.advantages, batch.zero_std, len(plan.rows), log)
-        phase["policy"] += time.perf_counter() - tick
+        seconds["policy"] += time.perf_counter() - tick
 
         tick = time.perf_counter()
         result = opt.step(loss_total, ctx.has_signal)
         updates.update(result.loss, result.grad_norm)
         results.append(result)
         if result.applied:
-            phase["optimizer"] += time.perf_counter() - tick
-    return updates, results
+            seconds["optimizer"] += time.perf_counter() - tick
+    return Updated(updates, results, seconds)

@@ -109,14 +109,14 @@ def worker(args) -> None:
             chunk = examples[start : start + 8]
             seeds = [prompt_seed(seed, 1, start + i) for i in range(len(chunk))]
             r = sampler.generate([ex.prompt_ids for ex in chunk], seeds=seeds, num_generations=G)
-            _, total, per_reward = score_examples(rewards, tok, chunk, r, G)
+            _, total, per_reward = score_examples(rewards, tok, chunk, r)
             totals += total
             passed += passes(per_reward, total, judge)
-            lengths += r.completion_mask.sum(-1).tolist()
+            lengths += r.trained_mask.sum(-1).tolist()
             with torch.no_grad(), autocast(device, precision):
                 logits = _forward_logits(policy, *r.inputs()).float()
-            o, e = rank_categories(logits, r.completion_ids, r.completion_mask, K)
-            first = torch.zeros_like(r.completion_mask)
+            o, e = rank_categories(logits, r.completion_ids, r.trained_mask, K)
+            first = torch.zeros_like(r.trained_mask)
             first[:, 0] = 1
             o0, e0 = rank_categories(logits, r.completion_ids, first, K)
             obs, exp, obs0, exp0 = obs + o, exp + e, obs0 + o0, exp0 + e0

@@ -104,21 +104,25 @@ def test_training_logprobs_equal_a_full_sequence_forward(name, temperature, shar
     model = build(name).eval()
     rows, completions, tensors = batch(shared)
     with torch.no_grad():
-        logps = token_logprobs(model, *tensors, temperature=temperature)  # [B, C]
+        logps = token_logprobs(
+            model, *tensors, temperature=temperature, num_generations=G if shared else 1
+        )  # [B, C]
         for i, (p, c) in enumerate(zip(rows, completions)):
             torch.testing.assert_close(
                 logps[i, : len(c)], reference(model, p, c, temperature), atol=1e-5, rtol=0
             )
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "plain"])
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_training_logprob_gradients_equal_a_full_sequence_forward(name):
-    """The shared-prompt path sends gradients back through the prompt's KV cache: the same
-    gradients as every row's own full forward (relative error < 1e-4)."""
+def test_training_logprob_gradients_equal_a_full_sequence_forward(name, shared):
+    """The shared-prompt path sends gradients back through the prompt's KV cache, and both paths
+    divide the logits by the temperature in place: the same gradients as every row's own full
+    forward (relative error < 1e-4)."""
     model = build(name).train()
-    rows, completions, tensors = batch(shared=True)
+    rows, completions, tensors = batch(shared=shared)
     weights = torch.linspace(-1.0, 1.0, len(completions))  # advantages of both signs
-    logps = token_logprobs(model, *tensors, temperature=0.7)
+    logps = token_logprobs(model, *tensors, temperature=0.7, num_generations=G if shared else 1)
     loss = sum(w * logps[i, : len(c)].sum() for i, (w, c) in enumerate(zip(weights, completions)))
     ours = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     loss = sum(w * reference(model, p, c, 0.7).sum() for w, p, c in zip(weights, rows, completions))

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from grpo_cli import logprobs as logprobs_mod
-from grpo_cli.logprobs import shared_prompt_groups, token_logprobs
+from grpo_cli.logprobs import filter_logits, padding_bounds, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.rollout import Rollout
-from grpo_cli.samplers.builtin import draw, filter_logits, left_pad, sample
+from grpo_cli.rollout import Batch, Rollout
+from grpo_cli.samplers.builtin import draw, left_pad, sample
 
 
 @pytest.fixture(scope="module")
@@ -87,22 +87,21 @@ def _grouped_batch(tok, G=3):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_shared_prompt_forward_matches_full_rows_in_values_and_gradients(tiny, temperature, monkeypatch):
-    """The grouped path (each prompt run once, its KV cache shared by the group's completions)
-    gives the same log-probs and the same gradients as running every full row."""
+def test_shared_prompt_forward_matches_full_rows_in_values_and_gradients(tiny, temperature):
+    """The grouped path (each prompt run once, its KV cache shared by the group's completions:
+    the rows' num_generations) gives the same log-probs and the same gradients as running every
+    full row."""
     model, tok = tiny
     batch = _grouped_batch(tok)
-    assert shared_prompt_groups(batch[0], batch[1]) == 3
 
-    def logps_and_grads():
+    def logps_and_grads(num_generations):
         model.zero_grad()
-        logps = token_logprobs(model, *batch, temperature=temperature)
+        logps = token_logprobs(model, *batch, temperature=temperature, num_generations=num_generations)
         (logps * batch[3]).sum().backward()
         return logps.detach(), [p.grad.clone() for p in model.parameters()]
 
-    shared, shared_grads = logps_and_grads()
-    monkeypatch.setattr(logprobs_mod, "shared_prompt_groups", lambda ids, mask: 1)
-    full, full_grads = logps_and_grads()
+    shared, shared_grads = logps_and_grads(3)
+    full, full_grads = logps_and_grads(1)
     model.zero_grad()
     valid = batch[3].bool()
     torch.testing.assert_close(shared[valid], full[valid], atol=1e-5, rtol=1e-5)
@@ -116,25 +115,17 @@ def test_shared_prompt_forward_matches_full_rows_in_values_and_gradients(tiny, t
         )
 
 
-@pytest.mark.parametrize(
-    "rows,expected",
-    [
-        ([[1, 2], [1, 2], [3, 4], [3, 4]], 2),  # two groups of two
-        ([[1, 2], [1, 2], [1, 2]], 3),  # one group
-        ([[1, 2], [3, 4], [5, 6]], 1),  # no sharing
-        ([[1, 2], [1, 2], [3, 4], [5, 6]], 1),  # runs of unequal length
-        ([[1, 2], [1, 2], [1, 2], [3, 4]], 1),  # 4 rows, first run of 3
-        ([[1, 2], [1, 2], [3, 4], [3, 5]], 1),  # second run differs inside
-    ],
-)
-def test_shared_prompt_groups_detects_only_equal_runs(rows, expected):
-    ids = torch.tensor(rows)
-    assert shared_prompt_groups(ids, torch.ones_like(ids)) == expected
+def test_rows_that_are_not_groups_of_num_generations_are_refused(tiny):
+    model, tok = tiny
+    batch = _grouped_batch(tok)  # 6 rows
+    with pytest.raises(ValueError, match="not groups of num_generations=4"):
+        token_logprobs(model, *batch, temperature=1.0, num_generations=4)
 
 
-def test_shared_prompt_groups_compares_masks_too():
-    ids = torch.tensor([[0, 2], [0, 2]])
-    assert shared_prompt_groups(ids, torch.tensor([[0, 1], [1, 1]])) == 1
+def test_padding_bounds_reach_the_last_attended_column_through_holes():
+    prompt_mask = torch.tensor([[0, 0, 1], [0, 1, 1]])
+    attention = torch.tensor([[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 0, 0]])  # a hole in row 0
+    assert padding_bounds(prompt_mask, attention) == (1, 4)
 
 
 def test_temperature_is_honoured(tiny):
@@ -155,19 +146,40 @@ def test_micro_batch_rows_drop_all_pad_columns_only(tiny):
     c_ids = torch.cat([c_ids, torch.full((2, 4), tok.pad_token_id)], 1)
     c_mask = torch.cat([c_mask, torch.zeros(2, 4, dtype=torch.long)], 1)
     rollout = Rollout(
+        1,
         p_ids,
         p_mask,
         c_ids,
         c_mask,
+        c_mask.clone(),
         torch.zeros(2, dtype=torch.bool),
         torch.zeros(c_ids.shape),
+    )
+    batch = Batch(
+        rollout,
+        rewards=torch.zeros(2),
+        reward_values=torch.zeros(2, 1),
+        prompt_index=torch.arange(2),
+        advantages=torch.zeros(2),
+        zero_std=torch.zeros(2, dtype=torch.bool),
+        group_std=torch.zeros(2),
         loss_mask=c_mask.clone(),
     )
-    mb = rollout.rows(torch.arange(2))
-    tp, tm, tc, tcm = mb.inputs()
+    mb = batch.rows(torch.arange(2))
+    tp, tm, tc, tcm = mb.rollout.inputs()
     assert tp.shape == (2, 3) and tc.shape == (2, 2)
     assert tm.sum() == p_mask.sum() and tcm.sum() == c_mask.sum()
-    assert mb.sampler_logps.shape == mb.loss_mask.shape == (2, 2) and mb.ref_logps is None
+    assert mb.rollout.sampler_logps.shape == mb.loss_mask.shape == mb.rollout.trained_mask.shape == (2, 2)
+
+
+def test_rollout_refuses_a_trained_token_that_is_not_attended_and_rows_that_are_not_groups():
+    ids = torch.zeros(4, 3, dtype=torch.long)
+    attended = torch.tensor([[1, 1, 0]] * 4)
+    args = (ids, torch.ones(4, 2, dtype=torch.long), ids, attended)
+    with pytest.raises(ValueError, match="trained token must be attended"):
+        Rollout(2, *args, torch.tensor([[1, 1, 1]] * 4), torch.zeros(4, dtype=torch.bool), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="not groups of num_generations=3"):
+        Rollout(3, *args, attended, torch.zeros(4, dtype=torch.bool), torch.zeros(4, 3))
 
 
 def test_greedy_rollout_matches_generate(tiny):
@@ -308,9 +320,15 @@ def test_draw_samples_each_token_with_its_probability(probs):
     assert (freq[p[0] == 0] == 0).all()
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_sampler_logprobs_equal_trainer_logprobs(tiny, temperature):
-    """Before any update the ratio is 1: old log-probs (sampler) == trainer's (ref 000.1, 000.4)."""
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 10, 1.0), (0.8, 0, 0.9)]
+)
+def test_sampler_logprobs_are_those_of_the_distribution_drawn_from(tiny, temperature, top_k, top_p):
+    """The samplers' log-prob contract: each sampled token's log-prob under the distribution it
+    was drawn from (tempered, then truncated). The trainer's replay of that distribution
+    (TokenScores.behaviour) equals it; without truncation it is the trainer's own log-prob, so the
+    ratio is 1 before any update (ref 000.1, 000.4); with truncation the sampler's is the larger
+    (the kept mass renormalised)."""
     model, tok = tiny
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     torch.manual_seed(0)
@@ -320,16 +338,24 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny, temperature):
         num_generations=2,
         max_new_tokens=8,
         temperature=temperature,
-        top_k=10,
+        top_k=top_k,
+        top_p=top_p,
         eos_ids=[tok.eos_token_id],
         pad_id=tok.pad_token_id,
     )
-    logps = token_logprobs(
-        model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=temperature
+    scorer = logprobs_mod.TokenLogprobs(
+        model, temperature=temperature, shared_prompt=True, top_k=top_k, top_p=top_p
     )
-    valid = r.completion_mask.bool()
+    with torch.no_grad():
+        scores = scorer(*r.inputs(), num_generations=r.num_generations)
+    valid = r.trained_mask.bool()
     assert valid.sum() > 0
-    torch.testing.assert_close(logps[valid], r.sampler_logps[valid], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(scores.behaviour[valid], r.sampler_logps[valid], atol=1e-4, rtol=1e-4)
+    if top_k or top_p < 1:
+        assert bool((scores.logps[valid] < r.sampler_logps[valid] - 1e-3).any())  # some mass was cut
+        assert bool((scores.logps[valid] <= r.sampler_logps[valid] + 1e-5).all())
+    else:
+        torch.testing.assert_close(scores.logps[valid], r.sampler_logps[valid], atol=1e-4, rtol=1e-4)
 
 
 def test_completion_mask_stops_after_first_eos_and_flags_truncation():
@@ -365,7 +391,7 @@ def test_completion_mask_stops_after_first_eos_and_flags_truncation():
         eos_ids=[9],
         pad_id=0,
     )
-    assert r.completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert r.attention_mask.tolist() == r.trained_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert r.truncated.tolist() == [False, True]
     assert r.completion_ids[0].tolist() == [3, 9, 0, 0]
 

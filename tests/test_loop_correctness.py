@@ -4,6 +4,7 @@ and which old log-probs the ratio uses (ref 000.1, ref 002). Tiny model, CPU."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import reward_fixtures
@@ -181,7 +182,9 @@ def test_tis_weights_the_policy_term_by_the_capped_trainer_sampler_ratio(
 
     def sample(*a, **kw):
         out = real_sample(*a, **kw)
-        out.sampler_logps = out.sampler_logps - 0.5 * out.completion_mask  # a sampler that disagrees
+        out = replace(
+            out, sampler_logps=out.sampler_logps - 0.5 * out.trained_mask
+        )  # a sampler that disagrees
         sampled["logps"] = out.sampler_logps.clone()
         return out
 
@@ -218,8 +221,9 @@ def test_self_check_covers_every_micro_batch_of_the_first_step(compose, tmp_path
     def sample(*a, **kw):
         out = real_sample(*a, **kw)
         G = kw["num_generations"]
-        out.sampler_logps[-G:] -= 0.5 * out.completion_mask[-G:]  # the last group's rows
-        return out
+        wrong = out.sampler_logps.clone()
+        wrong[-G:] -= 0.5 * out.trained_mask[-G:]  # the last group's rows
+        return replace(out, sampler_logps=wrong)
 
     monkeypatch.setattr(builtin, "sample", sample)
     cfg = compose(

@@ -240,7 +240,7 @@ def test_logprobs_of_models_that_ignore_logits_to_keep(ignores_logits_to_keep, g
     batch = _batch(prompts, completions)
     valid = batch[3].bool()
     with torch.no_grad():
-        logps = token_logprobs(model, *batch, temperature=0.7)
+        logps = token_logprobs(model, *batch, temperature=0.7, num_generations=3 if grouped else 1)
     assert logps.shape == batch[2].shape
     expected = _reference(model, *batch, temperature=0.7)
     torch.testing.assert_close(logps[valid], expected[valid], atol=1e-5, rtol=1e-5)
@@ -272,9 +272,7 @@ def test_greedy_sampling_with_a_model_that_ignores_logits_to_keep(ignores_logits
             with torch.no_grad():
                 ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
         assert r.completion_ids[2 * i].tolist() == ids[len(prompt) :]
-    logps = token_logprobs(
-        model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=1.0
-    )
+    logps = token_logprobs(model, *r.inputs(), temperature=1.0, num_generations=r.num_generations)
     torch.testing.assert_close(logps, r.sampler_logps, atol=1e-5, rtol=1e-5)
 
 
@@ -307,11 +305,11 @@ def test_model_without_position_ids_or_logits_to_keep_keywords():
         with pytest.raises(TypeError):
             model(input_ids=torch.tensor([[5, 6]]), position_ids=torch.tensor([[0, 1]]))
     completions = [[20, 21, 22], [23], [24, 25]]
-    for prompts in (PROMPTS, [PROMPTS[0]] * 3):  # distinct, then one shared prompt
+    for prompts, G in ((PROMPTS, 1), ([PROMPTS[0]] * 3, 3)):  # distinct, then one shared prompt
         batch = _batch(prompts, completions)
         valid = batch[3].bool()
         with torch.no_grad():
-            logps = token_logprobs(model, *batch, temperature=1.0)
+            logps = token_logprobs(model, *batch, temperature=1.0, num_generations=G)
             input_ids, mask = torch.cat([batch[0], batch[2]], 1), torch.cat([batch[1], batch[3]], 1)  # [B, L]
             logits = model(input_ids=input_ids, attention_mask=mask).logits  # [B, L, V]
         expected = F.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)[:, -3:]
@@ -328,7 +326,5 @@ def test_model_without_position_ids_or_logits_to_keep_keywords():
     )
     assert r.completion_ids.shape == (6, 3)
     with torch.no_grad():
-        logps = token_logprobs(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature=1.0
-        )
+        logps = token_logprobs(model, *r.inputs(), temperature=1.0, num_generations=r.num_generations)
     torch.testing.assert_close(logps, r.sampler_logps, atol=1e-5, rtol=1e-5)

@@ -103,7 +103,7 @@ def test_rollout_layout_and_logprobs_match_the_trainer(engine, policy):
     assert r.prompt_mask[:, -1].all() and (r.prompt_mask.sum(-1)[::4] == torch.tensor([6, 3, 5])).all()
     stopped = 0
     for n in range(N):
-        length = int(r.completion_mask[n].sum())
+        length = int(r.trained_mask[n].sum())
         ids = r.completion_ids[n, :length].tolist()
         hits = [i for i, t in enumerate(ids) if t in eos]
         if r.truncated[n]:
@@ -113,7 +113,7 @@ def test_rollout_layout_and_logprobs_match_the_trainer(engine, policy):
             assert hits == [length - 1]  # the first EOS ends it, included
         assert (r.completion_ids[n, length:] == 0).all()  # pad after
     assert stopped >= N // 2
-    diff = (_trainer_logps(policy, r) - r.sampler_logps).abs() * r.completion_mask
+    diff = (_trainer_logps(policy, r) - r.sampler_logps).abs() * r.trained_mask
     assert float(diff.max()) < 1e-4, float(diff.max())
 
 
@@ -128,11 +128,9 @@ def test_temperature_top_k_and_greedy(policy):
     sampler = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
     try:
         r = sampler.generate(PROMPTS, seeds=[1, 2, 3], num_generations=2)
-        diff = (_trainer_logps(policy, r, 0.7) - r.sampler_logps).abs() * r.completion_mask
+        diff = (_trainer_logps(policy, r, 0.7) - r.sampler_logps).abs() * r.trained_mask
         assert float(diff.max()) < 1e-4
-        assert (
-            float(((_trainer_logps(policy, r, 1.0) - r.sampler_logps).abs() * r.completion_mask).max()) > 1e-2
-        )
+        assert float(((_trainer_logps(policy, r, 1.0) - r.sampler_logps).abs() * r.trained_mask).max()) > 1e-2
         greedy = sampler.generate(PROMPTS, num_generations=1, greedy=True)
         builtin = BuiltinSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=_precision(), fast_decode=True)
         expected = builtin.generate(PROMPTS, num_generations=1, greedy=True)
@@ -171,7 +169,7 @@ def test_sync_pushes_updated_weights_in_place(policy, engine):
         fresh = engine.generate(PROMPTS, num_generations=1, greedy=True)
         assert torch.equal(fresh.completion_ids, expected.completion_ids)
         r = engine.generate(PROMPTS, seeds=[1, 2, 3], num_generations=2)
-        assert float(((_trainer_logps(model, r) - r.sampler_logps).abs() * r.completion_mask).max()) < 1e-4
+        assert float(((_trainer_logps(model, r) - r.sampler_logps).abs() * r.trained_mask).max()) < 1e-4
     finally:
         engine.sync(policy)
 
@@ -380,7 +378,7 @@ def test_draws_come_from_the_policy_distribution(sharp):
             first = sampler.generate([PROMPTS[0]] * 50, seeds=_seeds(50), num_generations=80)
             draws[temperature] = torch.bincount(first.completion_ids[:, 0], minlength=V)
             r = sampler.generate(PROMPTS * 20, seeds=_seeds(60, 50), num_generations=16)
-            hot[temperature] = rank_categories(_logits(sharp, r), r.completion_ids, r.completion_mask)
+            hot[temperature] = rank_categories(_logits(sharp, r), r.completion_ids, r.trained_mask)
         assert chi2_fits(draws[1.0], p)
         assert fits(*hot[1.0])
         assert not chi2_fits(draws[1.25], p)  # the tests can fail
@@ -518,7 +516,7 @@ def test_default_model_draws_come_from_its_distribution(precision):
         assert fits(*_vllm_own_ranks(sampler, prompts, _seeds(16), G=8))
         if precision == "fp32":
             r = sampler.generate(prompts, seeds=_seeds(16, 16), num_generations=8)
-            assert fits(*rank_categories(_logits(policy, r), r.completion_ids, r.completion_mask))
+            assert fits(*rank_categories(_logits(policy, r), r.completion_ids, r.trained_mask))
             short = tok("What is 7 plus 5?")["input_ids"]  # a short prompt: 1,600 draws cost little
             with torch.no_grad():
                 p = policy(input_ids=torch.tensor([short])).logits[0, -1].float().softmax(-1)

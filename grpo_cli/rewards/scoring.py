@@ -235,13 +235,14 @@ def clean_up_spaces(text: str) -> str:
     return text
 
 
-def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
-    """The completions' text, as the rewards see it. Decoding is explicit so that the text (and so
+def decode_completions(tokenizer, completion_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]:
+    """The completions' text, as the rewards see it (the reward span: every attended completion
+    token, rollout.Rollout.attention_mask). Decoding is explicit so that the text (and so
     the rewards) does not depend on the transformers version: 4.x applies the tokenizer's
     `clean_up_tokenization_spaces` setting, 5.x ignores it for BPE tokenizers (SmolLM2's "15 ."
     instead of "15."). So: decode without the clean-up, then apply 4.x's when the tokenizer asks."""
     texts = tokenizer.batch_decode(
-        [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)],
+        [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, attention_mask)],
         skip_special_tokens=True,
         clean_up_tokenization_spaces=False,
     )
@@ -250,17 +251,18 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask:
     return texts
 
 
-def score_examples(rewards, tokenizer, examples: list[Example], rollout, num_generations: int):
-    """Rewards of a rollout whose rows are `num_generations` completions per example, in order;
-    returns (the completions' texts, weighted totals, values per reward)."""
-    texts = decode_completions(tokenizer, rollout.completion_ids, rollout.completion_mask)
+def score_examples(rewards, tokenizer, examples: list[Example], rollout):
+    """Rewards of a rollout.Rollout whose rows are its num_generations completions per example, in
+    order; returns (the completions' texts, weighted totals, values per reward)."""
+    num_generations = rollout.num_generations
+    texts = decode_completions(tokenizer, rollout.completion_ids, rollout.attention_mask)
     columns: dict[str, list] = {}
     for ex in examples:
         for key, value in ex.columns.items():
             columns.setdefault(key, []).extend([value] * num_generations)
     prompts = [ex.prompt for ex in examples for _ in range(num_generations)]
     completion_ids = [
-        ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)
+        ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.attention_mask)
     ]
     completions = [as_reward_input(prompt, text) for prompt, text in zip(prompts, texts)]
     total, per_reward = score_rewards(

@@ -47,11 +47,19 @@ class Sampler(Protocol):
         greedy: bool = False,
         ignore_eos: bool = False,
     ) -> Rollout:
-        """`num_generations` completions of each prompt (token ids), a group's rows consecutive.
-        seeds: one per prompt; prompt b's completions depend on seeds[b] alone (not on the other
-        prompts of the batch, the device or the process count). greedy: argmax (evaluation).
-        ignore_eos: sample max_new_tokens whatever is drawn. The log-probs are those of the
-        tempered distribution the tokens were drawn from."""
+        """`num_generations` completions of each prompt (token ids), a group's rows consecutive,
+        as one rollout.Rollout (its num_generations set, trained_mask = attention_mask: every
+        completion token was sampled). seeds: one per prompt; prompt b's completions depend on
+        seeds[b] alone (not on the other prompts of the batch, the device or the process count).
+        greedy: argmax (evaluation). ignore_eos: sample max_new_tokens whatever is drawn.
+
+        The log-prob contract, the same for every backend: sampler_logps holds each sampled
+        token's log-prob under the distribution it was drawn from, softmax(logits / temperature)
+        after top-k then top-p truncation (the behaviour policy; without truncation, the very
+        distribution the trainer scores). It is the only one an inference engine reports (vLLM's
+        processed log-probs), and the trainer replays the same truncation on its own logits to
+        compare with it (logprobs.TokenScores.behaviour): the mismatch metric and the TIS weights
+        then measure numerics alone, in every setting."""
 
     def sync(self, policy) -> None:
         """Called after every optimizer step that changed the policy's weights: a sampler holding

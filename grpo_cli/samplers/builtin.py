@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_cli.distributed import full_weights
-from grpo_cli.logprobs import model_logits, position_ids_from_mask, prefill
+from grpo_cli.logprobs import filter_logits, model_logits, position_ids_from_mask, prefill
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rollout import Rollout
 
@@ -126,21 +126,6 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Top-k, then top-p (nucleus) truncation, in the order and with the tie rules of
-    transformers' TopKLogitsWarper and TopPLogitsWarper. logits: [N, V] already tempered."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]  # [N, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=False)  # [N, V]
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cum <= (1 - top_p)
-        remove[..., -1:] = False  # keep at least the most likely token
-        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
-    return logits
 
 
 def _few_rows_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -315,12 +300,15 @@ def sample(
             logits = logits.float() / temperature  # [N, V]
             if greedy:
                 token = logits.argmax(-1)  # [N]
+                kept = logits
             else:
                 u = None if uniforms is None else uniforms[step, :, None]  # [N, 1]
-                token = draw(filter_logits(logits, top_k, top_p).softmax(-1), generator, u)  # [N]
-            # Log-prob under the tempered, untruncated distribution: the one the trainer scores
-            # (logprobs.token_logprobs), so ratio == 1 before any update (ref 000.1, 000.4).
-            logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
+                kept = filter_logits(logits, top_k, top_p)  # [N, V] (logits itself when nothing truncates)
+                token = draw(kept.softmax(-1), generator, u)  # [N]
+            # Log-prob under the distribution the token was drawn from (the samplers' contract):
+            # tempered, then truncated by top-k/top-p when they are set; without truncation the very
+            # distribution the trainer scores (logprobs.token_logprobs, ref 000.1, 000.4).
+            logp = F.log_softmax(kept, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
             token = token.masked_fill(finished, pad_id)
             tokens.append(token)
             logps.append(logp.masked_fill(finished, 0.0))
@@ -345,12 +333,14 @@ def sample(
     first_eos = torch.where(
         is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long)
     )
-    completion_mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long()
+    mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long()  # [N, C]
     return Rollout(
+        num_generations=num_generations,
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        completion_ids=completion_ids.masked_fill(completion_mask == 0, pad_id),
-        completion_mask=completion_mask,
+        completion_ids=completion_ids.masked_fill(mask == 0, pad_id),
+        attention_mask=mask,
+        trained_mask=mask,  # every token of a completion was sampled
         truncated=~is_eos.any(-1),
-        sampler_logps=torch.stack(logps, dim=1) * completion_mask,
+        sampler_logps=torch.stack(logps, dim=1) * mask,
     )

@@ -443,10 +443,12 @@ class VLLMSampler:
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
         return Rollout(
+            num_generations=num_generations,
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             completion_ids=ids,
-            completion_mask=mask,
+            attention_mask=mask,
+            trained_mask=mask,  # every token of a completion was sampled
             truncated=truncated,
             sampler_logps=lp.nan_to_num(neginf=-1e4) * mask,
         ).to(self.device)

@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Peak memory and time of the log-prob phase of a training step: the policy's forward over a
+micro-batch of completions, its per-token log-probs and entropy (logprobs.TokenLogprobs), and the
+backward of a loss on them. Random-init model of a real shape (no hub), each case a fresh process.
+
+    bash scripts/run.sh python scripts/bench_logprob_memory.py                    # Qwen2.5-0.5B shape, 8 x 256
+    bash scripts/run.sh python scripts/bench_logprob_memory.py --baseline HEAD~1  # beside an older revision
+    bash scripts/run.sh python scripts/bench_logprob_memory.py --precisions fp32 bf16 --json out.json
+
+Per case: 8 completions of one prompt (a GRPO group: one prompt of --prompt-tokens, shared by the
+group, and --completion-tokens sampled tokens each, random ids), temperature 0.7 (so the
+temperature is applied, not skipped), one warm-up pass, then the measured one. Peak memory is the
+process's resident set: the kernel's high-water mark is reset right before the phase
+(/proc/self/clear_refs, 5) and read after it (VmHWM); the table gives it above the resident set
+at the phase's start (the weights, the inputs), after the forward (log-probs and entropy computed)
+and after the backward. --baseline REV runs the same cases on another
+revision of grpo-cli (a temporary git worktree) for a before/after comparison.
+
+Prints a table and writes JSON (--json). A benchmark: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_qwen_shape import SHAPES  # noqa: E402  (the model shapes, one source)
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def worker(args) -> None:
+    """One case in this process: print one JSON line."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import grpo_cli.logprobs as lp
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    config = Qwen2Config(**SHAPES[args.model], attn_implementation="sdpa")
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    model = Qwen2ForCausalLM(config).to(dtype)
+    model.train()
+    G, P, C, V = args.rows, args.prompt_tokens, args.completion_tokens, config.vocab_size
+    prompt = torch.randint(10, V, (1, P)).repeat(G, 1)
+    inputs = (
+        prompt,
+        torch.ones(G, P, dtype=torch.long),
+        torch.randint(10, V, (G, C)),
+        torch.ones(G, C, dtype=torch.long),
+    )
+    new_api = "num_generations" in lp.TokenLogprobs.forward.__code__.co_varnames
+    scorer = lp.TokenLogprobs(model, temperature=0.7, shared_prompt=True)
+
+    def phase() -> tuple[float, float, int]:
+        tick = time.perf_counter()
+        out = scorer(*inputs, num_generations=G) if new_api else scorer(*inputs)
+        logps = out[0]
+        forward, forward_peak = time.perf_counter() - tick, _rss_kib("VmHWM")
+        (logps.float() * torch.randn(G, C)).sum().backward()
+        model.zero_grad(set_to_none=True)
+        del out, logps
+        return forward, time.perf_counter() - tick, forward_peak
+
+    phase()  # warm-up: the allocator's first touches, the gradients' first buffers
+    start = _rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    forward, total, forward_peak = phase()
+    peak = _rss_kib("VmHWM")
+    print(
+        json.dumps(
+            {
+                "tree": args.tree_name,
+                "model": args.model,
+                "precision": args.precision,
+                "rows": G,
+                "prompt_tokens": P,
+                "completion_tokens": C,
+                "start_mib": start / 1024,
+                "peak_mib": peak / 1024,
+                "forward_peak_mib": (forward_peak - start) / 1024,
+                "phase_peak_mib": (peak - start) / 1024,
+                "logits_mib": G * C * V * (2 if dtype == torch.bfloat16 else 4) / 2**20,
+                "forward_s": forward,
+                "forward_backward_s": total,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _worktree(rev: str) -> Path:
+    """A temporary checkout of `rev` whose grpo_cli (with conf as grpo_cli.conf) shadows this one."""
+    where = Path(tempfile.mkdtemp(prefix="grpo-baseline-"))
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev],
+        check=True,
+        capture_output=True,
+    )
+    conf = where / "grpo_cli" / "conf"
+    if not conf.exists():
+        conf.symlink_to(where / "conf")
+    return where
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--completion-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--baseline", help="a git revision to measure beside this tree (e.g. HEAD~1)")
+    parser.add_argument("--repeats", type=int, default=2, help="fresh processes per case, alternating trees")
+    parser.add_argument("--json", default=str(ROOT / "docs" / "bench_logprob_memory.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tree-name", default="this", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    trees = [("this", None)]
+    baseline = None
+    if args.baseline:
+        baseline = _worktree(args.baseline)
+        trees.append((args.baseline, baseline))
+    rows = []
+    try:
+        for _ in range(args.repeats):
+            for precision in args.precisions:
+                for name, tree in trees:
+                    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                    if tree is not None:
+                        env["PYTHONPATH"] = str(tree)
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        "--model",
+                        args.model,
+                        "--precision",
+                        precision,
+                    ]
+                    cmd += ["--rows", str(args.rows), "--prompt-tokens", str(args.prompt_tokens)]
+                    cmd += [
+                        "--completion-tokens",
+                        str(args.completion_tokens),
+                        "--threads",
+                        str(args.threads),
+                    ]
+                    cmd += ["--tree-name", name]
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree or ROOT)
+                    if proc.returncode:
+                        raise SystemExit(f"{name} {precision}: the worker failed:\n{proc.stderr[-3000:]}")
+                    rows += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    finally:
+        if baseline is not None:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)], capture_output=True
+            )
+    print(
+        f"{args.model}, {args.rows} x ({args.prompt_tokens} prompt + {args.completion_tokens} completion) tokens"
+    )
+    print(
+        f"{'tree':<12}{'precision':<10}{'logits MiB':>11}{'phase peak MiB':>16}{'fwd s':>8}{'fwd+bwd s':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['tree']:<12}{r['precision']:<10}{r['logits_mib']:>11.0f}{r['phase_peak_mib']:>16.0f}"
+            f"{r['forward_s']:>8.2f}{r['forward_backward_s']:>11.2f}"
+        )
+    out = {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "rows": rows}
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
