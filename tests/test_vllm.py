@@ -117,6 +117,33 @@ def test_rollout_layout_and_logprobs_match_the_trainer(engine, policy):
     assert float(diff.max()) < 1e-4, float(diff.max())
 
 
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.9)])
+def test_truncated_sampling_log_probs_follow_the_one_contract(policy, top_k, top_p):
+    """The samplers' log-prob contract under top-k/top-p: vLLM reports the log-probs of the
+    truncated distribution it drew from, as the built-in sampler records them; the trainer's replay
+    of that truncation (TokenScores.behaviour, what the mismatch metric and TIS compare) equals
+    them, and the untruncated log-probs the loss uses are smaller."""
+    from grpo_cli.config.schema import SamplerConfig
+    from grpo_cli.logprobs import TokenLogprobs
+    from grpo_cli.samplers.vllm import VLLMSampler
+
+    cfg = SamplerConfig(
+        backend="vllm", max_new_tokens=8, temperature=0.9, top_k=top_k, top_p=top_p, kv_cache_gib=0.25
+    )
+    sampler = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
+    try:
+        r = sampler.generate(PROMPTS, seeds=[7, 8, 9], num_generations=4)
+    finally:
+        sampler.close()
+    scorer = TokenLogprobs(policy, temperature=0.9, shared_prompt=True, top_k=top_k, top_p=top_p)
+    with torch.no_grad():
+        scores = scorer(*r.inputs(), num_generations=r.num_generations)
+    valid = r.trained_mask.bool()
+    assert float((scores.behaviour - r.sampler_logps).abs()[valid].max()) < 1e-4
+    assert bool((scores.logps[valid] <= r.sampler_logps[valid] + 1e-5).all())
+    assert bool((scores.logps[valid] < r.sampler_logps[valid] - 1e-3).any())
+
+
 def test_temperature_top_k_and_greedy(policy):
     """At temperature 0.7 the sampler's log-probs are those of logits / 0.7 (what the trainer
     scores); greedy evaluation equals the built-in sampler's greedy tokens; top-k 1 is greedy."""
