@@ -58,7 +58,11 @@ TINY = tiny(
 )
 
 
-RECORDED_WITH = {"transformers": "4.57.6", "torch": "2.13.0+cpu", "avx512f": True}
+RECORDED_WITH = {
+    "transformers": "4.57.6",
+    "torch": "2.13.0+cpu",
+    "cpu": ("AuthenticAMD", "avx512f", "no amx"),
+}
 # Re-recorded for issue #31 with these versions: every earlier value came back bit for bit, the
 # metrics it added are new, and the SmolLM2 run's step-2 entropy and sampler/logp_diff_mean are
 # now measured over the rows trained on (a zero-std group skipped the forward).
@@ -67,13 +71,23 @@ RECORDED_WITH = {"transformers": "4.57.6", "torch": "2.13.0+cpu", "avx512f": Tru
 SAME_NUMBERS = [RECORDED_WITH, {**RECORDED_WITH, "torch": "2.11.0+cu130"}]
 
 
-def _avx512() -> bool:
-    """Whether this CPU has AVX-512: the recording machine's kernels (their reduction order, and
-    so the last bits) differ from an AVX2-only CPU's."""
+def _cpu_kind() -> tuple[str, str, str] | None:
+    """What picks the CPU kernels (their reduction order, and so the last bits): the vendor (MKL
+    and oneDNN take other paths on Intel and AMD), AVX-512 or not, AMX or not. The numbers were
+    recorded on an AMD EPYC with AVX-512 and no AMX; an AVX2-only CPU, an Intel Xeon or an AMX
+    one computes the same run with other last bits (CI's oldest leg failed on an AMX Xeon)."""
     try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return None
+    vendor = next(
+        (line.split(":")[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), ""
+    )
+    return (
+        vendor,
+        "avx512f" if " avx512f" in info else "no avx512f",
+        "amx" if " amx_tile" in info else "no amx",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +97,7 @@ def same_versions():
     import torch
     import transformers
 
-    installed = {"transformers": transformers.__version__, "torch": torch.__version__, "avx512f": _avx512()}
+    installed = {"transformers": transformers.__version__, "torch": torch.__version__, "cpu": _cpu_kind()}
     if installed not in SAME_NUMBERS:
         pytest.skip(f"recorded with {RECORDED_WITH}, running {installed}")
 

@@ -117,6 +117,49 @@ def test_rollout_layout_and_logprobs_match_the_trainer(engine, policy):
     assert float(diff.max()) < 1e-4, float(diff.max())
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_vllm_draws_the_gumbel_max_token_of_the_policys_own_distribution(policy, top_p):
+    """vLLM's fp32 draws are exactly the tokens a Gumbel-max draw over the trainer's own
+    distribution picks with vLLM's noise (its CPU kernel's SplitMix64 Gumbel noise, seeded per
+    completion and token: distribution_helpers.VllmCpuNoise): the built-in sampler drawing with
+    that noise samples the very same completions, token for token. So vLLM's samples come from
+    the policy's distribution (a Gumbel-max draw with uniform noise is exact); only which random
+    numbers are drawn differs between the two samplers. (Pins vLLM 0.32's CPU sampler: another
+    version may hash its noise otherwise, and then this test says so.)"""
+    from distribution_helpers import sample_with_vllm_noise
+
+    from grpo_cli.config.schema import SamplerConfig
+    from grpo_cli.samplers import builtin
+    from grpo_cli.samplers.vllm import VLLMSampler
+
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=12, top_p=top_p, kv_cache_gib=0.25)
+    sampler = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
+    seeds = [11, 2**40 + 3, 987654321]
+    try:
+        r = sampler.generate(PROMPTS, seeds=seeds, num_generations=4)
+    finally:
+        sampler.close()
+    with torch.no_grad():
+        ours = sample_with_vllm_noise(
+            builtin.sample,
+            policy,
+            PROMPTS,
+            seeds=seeds,
+            num_generations=4,
+            max_new_tokens=12,
+            temperature=1.0,
+            top_p=top_p,
+            eos_ids=[2],
+            pad_id=0,
+        )
+    same = [
+        r.completion_ids[n][r.trained_mask[n].bool()].tolist()
+        == ours.completion_ids[n][ours.trained_mask[n].bool()].tolist()
+        for n in range(r.completion_ids.shape[0])
+    ]
+    assert all(same), f"{sum(same)} of {len(same)} completions identical"
+
+
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.9)])
 def test_truncated_sampling_log_probs_follow_the_one_contract(policy, top_k, top_p):
     """The samplers' log-prob contract under top-k/top-p: vLLM reports the log-probs of the
