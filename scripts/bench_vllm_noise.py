@@ -48,7 +48,9 @@ def train_with_vllm_noise(overrides: list[str]) -> None:
     def sample(model, prompts, *, seeds=None, greedy=False, num_generations, **kwargs):
         if seeds is None or greedy:
             return real(model, prompts, seeds=seeds, greedy=greedy, num_generations=num_generations, **kwargs)
-        return sample_with_vllm_noise(real, model, prompts, seeds=seeds, num_generations=num_generations, **kwargs)
+        return sample_with_vllm_noise(
+            real, model, prompts, seeds=seeds, num_generations=num_generations, **kwargs
+        )
 
     builtin.sample = sample
     sys.argv = ["grpo-train", *overrides]
@@ -57,7 +59,9 @@ def train_with_vllm_noise(overrides: list[str]) -> None:
 
 def _rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
 
 
 def _completions(run: Path) -> dict[int, list[str]]:
@@ -87,9 +91,13 @@ def run_one(out: Path, arm: str, seed: int, steps: int, eval_steps: int) -> None
     cmd = cmd or [str(Path(sys.executable).parent / "grpo-train"), *overrides]
     print(f"{arm} seed {seed}: {' '.join(overrides)}", flush=True)
     with open(out / f"{arm}-s{seed}.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
     if proc.returncode:
-        raise SystemExit(f"{arm} seed {seed} failed (exit {proc.returncode}); see {out / f'{arm}-s{seed}.log'}")
+        raise SystemExit(
+            f"{arm} seed {seed} failed (exit {proc.returncode}); see {out / f'{arm}-s{seed}.log'}"
+        )
     shutil.rmtree(run / "checkpoints", ignore_errors=True)  # ~0.5 GB each, not needed
 
 
@@ -97,7 +105,9 @@ def report(out: Path, arms: list[str], seeds: list[int]) -> dict:
     table = {arm: {} for arm in arms}
     for arm in arms:
         for seed in seeds:
-            evals = {r["step"]: r["eval/accuracy"] for r in _rows(out / f"{arm}-s{seed}") if "eval/accuracy" in r}
+            evals = {
+                r["step"]: r["eval/accuracy"] for r in _rows(out / f"{arm}-s{seed}") if "eval/accuracy" in r
+            }
             if evals:
                 table[arm][seed] = evals
     steps = sorted({s for runs in table.values() for evals in runs.values() for s in evals})
@@ -115,7 +125,10 @@ def report(out: Path, arms: list[str], seeds: list[int]) -> dict:
                 "max": max(values),
             }
             shown = " ".join(f"{v:.3f}" for v in values)
-            print(f"  {arm:<11} step {step:>3}: mean {statistics.mean(values):.3f} [{min(values):.3f}, {max(values):.3f}]  {shown}")
+            print(
+                f"  {arm:<11} step {step:>3}: mean {statistics.mean(values):.3f}"
+                f" [{min(values):.3f}, {max(values):.3f}]  {shown}"
+            )
     same = {}
     if "vllm" in arms and "vllm-noise" in arms:
         for seed in seeds:
@@ -124,7 +137,10 @@ def report(out: Path, arms: list[str], seeds: list[int]) -> dict:
             if common:
                 identical = [step for step in common if a[step] == b[step]]
                 same[seed] = {"steps_compared": len(common), "steps_identical": len(identical)}
-                print(f"  seed {seed}: vllm and vllm-noise sampled the same completions on {len(identical)} of {len(common)} steps")
+                print(
+                    f"  seed {seed}: vllm and vllm-noise sampled the same completions"
+                    f" on {len(identical)} of {len(common)} steps"
+                )
     return {"seeds": seeds, "accuracy": table, "summary": summary, "same_completions": same}
 
 
