@@ -22,6 +22,7 @@ from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lor
 from grpo_cli.config import Config, DataConfig
 from grpo_cli.data import Example, PromptStream, arithmetic_wide_rows, build_prompts, read_rows, to_examples
 from grpo_cli.distributed import Dist, shard_model, wrap_scorer
+from grpo_cli.environments.episodes import with_environment
 from grpo_cli.errors import UserError, first_line
 from grpo_cli.evaluate import check_group_by
 from grpo_cli.logprobs import TokenLogprobs
@@ -442,14 +443,19 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             "(no shared-prompt KV cache, no decode-time W @ x^T layers), and the step-0 self-check checks its "
             "log-probs."
         )
+    eos_ids = eos_token_ids(tokenizer, policy)
     sampler = build_sampler(
         s,
         policy,
-        eos_ids=eos_token_ids(tokenizer, policy),
+        eos_ids=eos_ids,
         pad_id=tokenizer.pad_token_id,
         precision=precision,
         fast_decode=fast_paths,
         seed=t.seed,
+        tokenizer=tokenizer,
+    )
+    sampler = with_environment(
+        sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
     )
     try:  # the rewards that have a build (a reward model) load here, once per process
         rewards.open(device, d)

@@ -33,7 +33,7 @@ from grpo_cli.evaluate import evaluate, group_values
 from grpo_cli.health import HealthMonitor
 from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
 from grpo_cli.optim import StepResult
-from grpo_cli.rewards import decode_completions
+from grpo_cli.rewards import conversation, decode_completions
 from grpo_cli.rollout import Batch
 from grpo_cli.samples import step_records
 
@@ -344,6 +344,11 @@ def _completion_records(
     n = min(limit, batch.rewards.shape[0])
     r = batch.rollout
     texts = decode_completions(tokenizer, r.completion_ids[:n], r.attention_mask[:n])
+    if r.roles is not None:  # an episode: every turn, with who wrote it
+        texts = [
+            " ".join(f"[{m['role']}] {m['content']}" for m in conversation(tokenizer, ids, roles))
+            for ids, roles in zip(r.completion_ids[:n], r.roles[:n])
+        ]
 
     # fp32 values to 8 significant digits (fp32 holds about 7): 1.2, not 1.2000000476837158.
     def floats(t: torch.Tensor) -> list:

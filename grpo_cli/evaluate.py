@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from grpo_cli.data import Example
 from grpo_cli.errors import UserError
 from grpo_cli.rewards import correctness, passes, score_examples
+from grpo_cli.samplers import draw
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def grade(
     with sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
-            rollout = sampler.generate([ex.prompt_ids for ex in chunk], num_generations=G, greedy=greedy)
+            rollout = draw(sampler, chunk, num_generations=G, greedy=greedy)
             _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout)
             passed = passes(per_reward, total, judge.name if judge else None)
             correct = per_reward[judge.name] if judge else [None] * len(total)

@@ -395,6 +395,7 @@ def step_row(
     at its start. Token counts are of the trained tokens (Rollout.trained_mask); lengths count
     every completion-side token."""
 
+    from grpo_cli.environments.episodes import episode_metrics
     from grpo_cli.rewards import passes, reward_metrics
 
     r, G, step_time = batch.rollout, batch.num_generations, time.perf_counter() - started
@@ -420,6 +421,7 @@ def step_row(
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(r.truncated.float().mean()),
+        **episode_metrics(r),
         # The sampled tokens' mean -log p (the sampler's, tempered), every row: a Monte Carlo
         # estimate of the entropy that needs no forward (health's stand-in for `entropy` on a step
         # that trained on no row).

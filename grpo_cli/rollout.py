@@ -29,6 +29,11 @@ from grpo_cli.logprobs import padding_bounds
 
 _COMPLETION_COLUMNS = ("completion_ids", "attention_mask", "trained_mask", "sampler_logps")
 
+#: Who wrote a completion-side token (Rollout.roles): the policy, or an environment's reply, inline
+#: in the policy's own message (a tool result) or as a message of its own (tool, user).
+ROLE_CODES = {"padding": 0, "assistant": 1, "tool": 2, "user": 3}
+ROLE_NAMES = {code: name for name, code in ROLE_CODES.items()}
+
 
 @dataclass(frozen=True)
 class Rollout:
@@ -44,6 +49,10 @@ class Rollout:
     # [N, C] fp32: each sampled token's log-prob under the distribution it was drawn from (the
     # samplers' contract, samplers.Sampler); 0 where trained_mask is 0.
     sampler_logps: torch.Tensor
+    # Multi-turn episodes only (environments.episodes), None for single-turn rollouts:
+    roles: torch.Tensor | None = None  # [N, C] long: who wrote each token (ROLE_CODES)
+    episode_stats: torch.Tensor | None = None  # [N, S] float: environments.episodes.STAT_COLUMNS
+    env_reward: torch.Tensor | None = None  # [N] float: the environment's own reward, NaN for none
 
     def __post_init__(self):
         N, C = self.completion_ids.shape
@@ -52,6 +61,8 @@ class Rollout:
         for name in _COMPLETION_COLUMNS:
             if tuple(getattr(self, name).shape) != (N, C):
                 raise ValueError(f"Rollout.{name} is {tuple(getattr(self, name).shape)}, expected {(N, C)}")
+        if self.roles is not None and tuple(self.roles.shape) != (N, C):
+            raise ValueError(f"Rollout.roles is {tuple(self.roles.shape)}, expected {(N, C)}")
         if bool((self.trained_mask.bool() & ~self.attention_mask.bool()).any()):
             raise ValueError(
                 "Rollout: a trained token must be attended to (trained_mask within attention_mask)"
@@ -117,7 +128,32 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         trained_mask=torch.cat([pad(r.trained_mask, C, 0, False) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         sampler_logps=torch.cat([pad(r.sampler_logps, C, 0.0, False) for r in rollouts]),
+        **_concat_episodes(rollouts, C),
     )
+
+
+def _concat_episodes(rollouts: list[Rollout], C: int) -> dict:
+    """The multi-turn fields of concat: present when any part has them (a single-turn part: every
+    token the assistant's, no stats, no environment reward)."""
+    if all(r.roles is None for r in rollouts):
+        return {}
+    width = max(r.episode_stats.shape[1] for r in rollouts if r.episode_stats is not None)
+    roles, stats, reward = [], [], []
+    for r in rollouts:
+        N = r.completion_ids.shape[0]
+        role = r.roles if r.roles is not None else r.attention_mask * ROLE_CODES["assistant"]
+        roles.append(F.pad(role, (0, C - role.shape[1]), value=0))
+        stats.append(
+            r.episode_stats
+            if r.episode_stats is not None
+            else torch.zeros(N, width, device=r.completion_ids.device)
+        )
+        reward.append(
+            r.env_reward
+            if r.env_reward is not None
+            else torch.full((N,), float("nan"), device=r.completion_ids.device)
+        )
+    return {"roles": torch.cat(roles), "episode_stats": torch.cat(stats), "env_reward": torch.cat(reward)}
 
 
 @dataclass(frozen=True)
@@ -151,5 +187,6 @@ class Batch:
             prompt_ids=r.prompt_ids[:, first:],  # [n, P']
             prompt_mask=r.prompt_mask[:, first:],
             **{name: getattr(r, name)[:, :used] for name in _COMPLETION_COLUMNS},  # [n, C']
+            roles=None if r.roles is None else r.roles[:, :used],
         )
         return replace(sub, rollout=r, loss_mask=sub.loss_mask[:, :used])

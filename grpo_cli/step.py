@@ -36,7 +36,7 @@ from grpo_cli.optim import OptimizerStep, StepResult
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rewards import Rewards, correctness, passes, score_examples
 from grpo_cli.rollout import Batch, Rollout, concat, select
-from grpo_cli.samplers import Sampler
+from grpo_cli.samplers import Sampler, draw
 from grpo_cli.selfcheck import compare_logprobs
 
 
@@ -192,8 +192,9 @@ def _sample_groups(
         tick = time.perf_counter()
         with sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
             if pending:
-                rollout = sampler.generate(
-                    [examples[j].prompt_ids for j in pending],
+                rollout = draw(
+                    sampler,
+                    [examples[j] for j in pending],
                     seeds=[prompt_seed(seed, step, indices[j], round) for j in pending],
                     num_generations=G,
                     ignore_eos=sampling.ignore_eos,

@@ -40,6 +40,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         read_wide_eval,
     )
     from grpo_cli.config.schema import DataConfig
+    from grpo_cli.environments.episodes import with_environment
     from grpo_cli.evaluate import check_group_by, grade, group_values
     from grpo_cli.loss import zero_std_groups
     from grpo_cli.metrics import pass_rate_histogram
@@ -65,14 +66,19 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     by = cfg.data.eval_group_by
     check_group_by(by, examples, default=DataConfig().eval_group_by)
     model = load_policy(cfg, source, device, precision, trainable=False)
+    eos_ids = eos_token_ids(tokenizer, model)
     sampler = build_sampler(
         s,
         model,
-        eos_ids=eos_token_ids(tokenizer, model),
+        eos_ids=eos_ids,
         pad_id=tokenizer.pad_token_id,
         precision=precision,
         fast_decode=tested_architecture(model),
         seed=t.seed,
+        tokenizer=tokenizer,
+    )
+    sampler = with_environment(
+        sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
     )
     try:
         rewards.open(device)

@@ -239,6 +239,32 @@ class TrainerConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    # What the model talks to over several turns (docs/environments.md); nothing by default: one
+    # completion per prompt. fn: a class or function making an environment, by import path
+    # (my_pkg.my_env:MyEnv); tools: plain functions by import path, called with a tag the model
+    # writes (<name>argument</name>). One or the other; the presets: calculator, feedback.
+    fn: Optional[str] = None
+    tools: List[str] = field(default_factory=list)
+    # The model's turns in an episode: 4 leaves room for two tool calls, an answer and a retry.
+    max_turns: int = 4
+    # The episode's completion-side tokens, sampled and written by the environment. None:
+    # max_turns x (sampler.max_new_tokens + max_reply_tokens), never the binding budget. A turn
+    # gets at most sampler.max_new_tokens of them (the per-turn budget).
+    max_episode_tokens: Optional[int] = None
+    # The longest environment reply, in tokens: a longer one is cut there (and counted,
+    # env/replies_cut). 64 holds any calculator result or a short message.
+    max_reply_tokens: int = 64
+    # Seconds each environment or tool call may take (0: no limit). A tool that takes longer
+    # answers the model with an error; an environment's reset/step/reward that does follows on_error.
+    timeout_s: float = 10.0
+    # When the environment itself raises (or times out): raise stops the run with one paragraph
+    # naming the environment and the episode; mask leaves that episode out of the loss (counted,
+    # env/errors) and goes on. A tool's error is never the run's: the model reads it.
+    on_error: str = "raise"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -249,6 +275,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
 
 def sampler_correction(loss: LossConfig, sampler: SamplerConfig) -> str:

@@ -32,6 +32,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "data.source": SOURCES,
         "data.long_prompts": LONG_PROMPT_RULES,
         "sampler.backend": samplers.BACKENDS,
+        "environment.on_error": ("raise", "mask"),
         "loss.loss_type": loss.LOSS_TYPES,
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
@@ -52,6 +53,8 @@ def choices() -> dict[str, tuple[str, ...]]:
 
 POSITIVE_INTS = (
     "sampler.max_new_tokens",
+    "environment.max_turns",
+    "environment.max_reply_tokens",
     "sampler.max_prompt_length",
     "trainer.prompts_per_step",
     "trainer.gradient_accumulation_steps",
@@ -71,6 +74,7 @@ POSITIVE_INTS = (
 )
 NON_NEGATIVE = (
     "sampler.top_k",
+    "environment.timeout_s",
     "trainer.eval_steps",
     "trainer.log_completions",
     "data.eval_size",
@@ -158,6 +162,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     # trains on prompts_per_step / W prompts in gradient_accumulation_steps micro-batches.
     P, A = tr.prompts_per_step, tr.gradient_accumulation_steps
     problems.extend(_validate_processes(tr))
+    problems.extend(_validate_environment(cfg))
     W = _world_size(tr)
     if P >= 1 and A >= 1 and W >= 1 and P % (A * W) != 0:
         if W == 1:
@@ -522,3 +527,34 @@ def _validate_rewards(reward: Any) -> list[str]:
     from grpo_cli.rewards import check_rewards  # names, import paths, weights, options
 
     return check_rewards(reward)
+
+
+def _validate_environment(cfg) -> list[str]:
+    """environment.*: one of fn and tools, importable; a budget that fits the vLLM engine."""
+    env = cfg.environment
+    if not env.fn and not env.tools:
+        return []
+    problems = []
+    if env.fn and env.tools:
+        problems.append(
+            f"environment.fn={env.fn!r} and environment.tools={list(env.tools)} are both set; choose one "
+            "(an environment of your own, or tools that make the tool environment)."
+        )
+    if env.max_episode_tokens is not None and env.max_episode_tokens < 1:
+        problems.append(f"environment.max_episode_tokens={env.max_episode_tokens} must be >= 1, or null.")
+    from grpo_cli.environments import environment_factory
+    from grpo_cli.errors import UserError
+
+    try:
+        environment_factory(env)
+    except UserError as exc:
+        problems.append(str(exc))
+    s = cfg.sampler
+    if s.backend == "vllm" and s.max_model_len is None:
+        problems.append(
+            "sampler=vllm with an environment: set sampler.max_model_len to the longest episode's "
+            "sequence (the prompt with the environment's instructions, plus environment.max_episode_tokens), "
+            f"e.g. sampler.max_model_len={s.max_prompt_length + 512}; the default "
+            "(max_prompt_length + max_new_tokens) holds one turn only."
+        )
+    return problems

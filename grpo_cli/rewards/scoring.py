@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from grpo_cli.data import Example
 
 #: Keyword arguments the engine passes itself; options may not use these names.
-RESERVED_KWARGS = ("completions", "prompts", "completion_ids")
+RESERVED_KWARGS = ("completions", "prompts", "completion_ids", "env_reward")
 
 
 def _row_kwargs(kwargs: Mapping[str, Any], data_keys: Sequence[str], i: int) -> dict[str, Any]:
@@ -87,6 +87,7 @@ def score_rewards(
     prompts: list,
     completion_ids: list | None,
     columns: Mapping[str, list],
+    env_reward: list | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Call every reward once on the batch; return (weighted totals, raw values per reward).
 
@@ -104,7 +105,10 @@ def score_rewards(
             raise RewardError(
                 f"dataset column {key!r} clashes with a reward argument the engine passes; rename the column"
             )
-    data_keys = [*columns, "prompts", "completion_ids"]
+    engine = {"prompts": prompts, "completion_ids": completion_ids}
+    if env_reward is not None:  # an environment's episodes: its own reward, None where it gave none
+        engine["env_reward"] = env_reward
+    data_keys = [*columns, *engine]
     per_reward: dict[str, list[float | None]] = {}
     for spec in specs:
         clash = sorted(set(spec.options) & set(columns))
@@ -113,7 +117,7 @@ def score_rewards(
                 f"reward {spec.name!r}: option(s) {', '.join(clash)} have the same name as dataset column(s); "
                 "rename the option or the column"
             )
-        kwargs = {**columns, "prompts": prompts, "completion_ids": completion_ids, **spec.options}
+        kwargs = {**columns, **engine, **spec.options}
         try:
             result = spec.fn(completions, **kwargs)
         except Exception as exc:
@@ -251,6 +255,33 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, attention_mask: 
     return texts
 
 
+def conversation(tokenizer, ids, roles) -> list[dict]:
+    """An episode's completion side as chat messages: each run of tokens one writer wrote
+    (rollout.ROLE_CODES), decoded; an environment's message without the chat template's text
+    around it (its role header, the next assistant turn's)."""
+    from grpo_cli.rollout import ROLE_NAMES
+
+    messages, start = [], 0
+    codes = roles.tolist()
+    for end in range(1, len(codes) + 1):
+        if end < len(codes) and codes[end] == codes[start]:
+            continue
+        role = ROLE_NAMES[codes[start]]
+        if role != "padding":
+            text = tokenizer.decode(
+                ids[start:end].tolist(), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+            if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+                text = clean_up_spaces(text)
+            if role != "assistant":
+                text = text.strip()
+                text = text[len(role) :].lstrip() if text.startswith(role + "\n") else text
+                text = text[: -len("assistant")].rstrip() if text.endswith("\nassistant") else text
+            messages.append({"role": role, "content": text})
+        start = end
+    return messages
+
+
 def score_examples(rewards, tokenizer, examples: list[Example], rollout):
     """Rewards of a rollout.Rollout whose rows are its num_generations completions per example, in
     order; returns (the completions' texts, weighted totals, values per reward)."""
@@ -264,8 +295,22 @@ def score_examples(rewards, tokenizer, examples: list[Example], rollout):
     completion_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.attention_mask)
     ]
-    completions = [as_reward_input(prompt, text) for prompt, text in zip(prompts, texts)]
+    if rollout.roles is None:
+        completions = [as_reward_input(prompt, text) for prompt, text in zip(prompts, texts)]
+    else:  # an environment's episodes: the whole conversation (TRL's conversational completions)
+        completions = [
+            conversation(tokenizer, ids, roles) if isinstance(prompt, list) else text
+            for prompt, text, ids, roles in zip(prompts, texts, rollout.completion_ids, rollout.roles)
+        ]
+    env_reward = None
+    if rollout.env_reward is not None:
+        env_reward = [None if math.isnan(v) else v for v in rollout.env_reward.tolist()]
     total, per_reward = score_rewards(
-        rewards, completions, prompts=prompts, completion_ids=completion_ids, columns=columns
+        rewards,
+        completions,
+        prompts=prompts,
+        completion_ids=completion_ids,
+        columns=columns,
+        env_reward=env_reward,
     )
     return texts, total, per_reward

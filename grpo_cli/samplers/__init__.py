@@ -11,7 +11,10 @@ conf/sampler/. The module declares what the package asks of it:
     KEYS                     the SamplerConfig keys only this backend reads (validation rejects them
                              under the other backends); a new key also needs its default there
     validate(cfg, world_size) -> list[str]   its keys' values, what it cannot run with, its install
-    build(cfg, policy, *, eos_ids, pad_id, precision, fast_decode, seed) -> Sampler
+    build(cfg, policy, *, eos_ids, pad_id, precision, fast_decode, seed, tokenizer) -> Sampler
+
+An environment's episodes (environments.episodes.Episodes) wrap the chosen sampler; `draw` is how
+training and evaluation ask for a batch's rollout either way.
 """
 
 from __future__ import annotations
@@ -46,12 +49,17 @@ class Sampler(Protocol):
         num_generations: int,
         greedy: bool = False,
         ignore_eos: bool = False,
+        max_new_tokens: int | None = None,
+        stop: list[str] | None = None,
     ) -> Rollout:
         """`num_generations` completions of each prompt (token ids), a group's rows consecutive,
         as one rollout.Rollout (its num_generations set, trained_mask = attention_mask: every
         completion token was sampled). seeds: one per prompt; prompt b's completions depend on
         seeds[b] alone (not on the other prompts of the batch, the device or the process count).
         greedy: argmax (evaluation). ignore_eos: sample max_new_tokens whatever is drawn.
+        max_new_tokens: this call's budget (None: sampler.max_new_tokens; an episode's turn may
+        have less). stop: strings that end a completion early, the token that completes one kept
+        (an environment's tool tag); a sampler may also draw past one, the episode cuts there.
 
         The log-prob contract, the same for every backend: sampler_logps holds each sampled
         token's log-prob under the distribution it was drawn from, softmax(logits / temperature)
@@ -88,10 +96,42 @@ def foreign_keys(chosen: str) -> tuple[str, ...]:
 
 
 def build_sampler(
-    cfg, policy, *, eos_ids: list[int], pad_id: int, precision, fast_decode: bool, seed: int = 0
+    cfg,
+    policy,
+    *,
+    eos_ids: list[int],
+    pad_id: int,
+    precision,
+    fast_decode: bool,
+    seed: int = 0,
+    tokenizer=None,
 ) -> Sampler:
     """The sampler that cfg.backend names. seed: the engine's own seed (vLLM: for requests
-    without one; the built-in sampler has none)."""
+    without one; the built-in sampler has none). tokenizer: for stop strings (the built-in sampler)."""
     return backend(cfg.backend).build(
-        cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, fast_decode=fast_decode, seed=seed
+        cfg,
+        policy,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        precision=precision,
+        fast_decode=fast_decode,
+        seed=seed,
+        tokenizer=tokenizer,
+    )
+
+
+def draw(sampler, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:
+    """The rollout of a batch of data.Example: an environment's episodes when the sampler runs
+    them (environments.episodes.Episodes), else num_generations completions of each prompt."""
+    episodes = getattr(sampler, "episodes", None)
+    if episodes is not None:
+        return episodes(
+            examples, seeds=seeds, num_generations=num_generations, greedy=greedy, ignore_eos=ignore_eos
+        )
+    return sampler.generate(
+        [ex.prompt_ids for ex in examples],
+        seeds=seeds,
+        num_generations=num_generations,
+        greedy=greedy,
+        ignore_eos=ignore_eos,
     )

@@ -44,10 +44,18 @@ def validate(cfg, world_size: int) -> list[str]:
     return []
 
 
-def build(cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool, seed: int = 0) -> BuiltinSampler:
+def build(
+    cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool, seed: int = 0, tokenizer=None
+) -> BuiltinSampler:
     """The sampler (its draws are seeded per request through generate's seeds, so `seed` is unused)."""
     return BuiltinSampler(
-        cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, fast_decode=fast_decode
+        cfg,
+        policy,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        precision=precision,
+        fast_decode=fast_decode,
+        tokenizer=tokenizer,
     )
 
 
@@ -55,7 +63,15 @@ class BuiltinSampler:
     """samplers.Sampler over the policy itself (sampler.backend=builtin)."""
 
     def __init__(
-        self, cfg, policy, *, eos_ids: list[int], pad_id: int, precision: Precision, fast_decode: bool
+        self,
+        cfg,
+        policy,
+        *,
+        eos_ids: list[int],
+        pad_id: int,
+        precision: Precision,
+        fast_decode: bool,
+        tokenizer=None,
     ):
         self.cfg = cfg  # config.SamplerConfig
         self.policy = policy
@@ -65,6 +81,7 @@ class BuiltinSampler:
         self.fast_decode = fast_decode  # the tested architectures' W @ x^T decode linears (CPU)
         self.tolerance = TOLERANCE[precision.name]
         self._depth = 0  # open sampling() blocks (re-entrant)
+        self.tokenizer = tokenizer  # stop strings: a row stops once its text holds one
 
     @contextlib.contextmanager
     def sampling(self):
@@ -92,14 +109,24 @@ class BuiltinSampler:
         num_generations: int,
         greedy: bool = False,
         ignore_eos: bool = False,
+        max_new_tokens: int | None = None,
+        stop: list[str] | None = None,
     ) -> Rollout:
         s = self.cfg
+        stopped = None
+        if stop and self.tokenizer is not None:
+            tokenizer = self.tokenizer
+
+            def stopped(tokens: torch.Tensor) -> torch.Tensor:  # [N, t] -> [N] bool
+                tails = tokenizer.batch_decode(tokens[:, -16:].tolist())
+                return torch.tensor([any(x in tail for x in stop) for tail in tails], device=tokens.device)
+
         with self.sampling():
             return sample(
                 self.policy,
                 prompts,
                 num_generations=num_generations,
-                max_new_tokens=s.max_new_tokens,
+                max_new_tokens=max_new_tokens or s.max_new_tokens,
                 temperature=s.temperature,
                 top_p=s.top_p,
                 top_k=s.top_k,
@@ -108,6 +135,7 @@ class BuiltinSampler:
                 greedy=greedy,
                 seeds=seeds,
                 fast_decode=self.fast_decode,
+                stopped=stopped,
             )
 
     def sync(self, policy) -> None:
@@ -255,6 +283,7 @@ def sample(
     generator: torch.Generator | None = None,
     seeds: list[int] | None = None,
     fast_decode: bool = True,
+    stopped=None,
 ) -> Rollout:
     """`num_generations` completions of each prompt (token ids), rows grouped by prompt.
     seeds: one per prompt; prompt b's completions draw from a CPU generator seeded seeds[b] (its
@@ -262,7 +291,10 @@ def sample(
     (nor on the device, nor on how many processes share the step). Without seeds, `generator`
     (default: torch's global one) draws for the whole batch.
     fast_decode: the CPU decode steps' W @ x^T linear layers (off for an architecture not
-    tested here: the model's own layers run)."""
+    tested here: the model's own layers run).
+    stopped: tokens so far [N, t] -> [N] bool, rows that may stop drawing (a stop string); they
+    end without an EOS (their last token kept), and the tokens they would have drawn are not.
+    A row's draws do not depend on when the others stop."""
 
     device = next(model.parameters()).device
     unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
@@ -295,6 +327,7 @@ def sample(
     position_ids = position_ids_from_mask(attention_mask)
     tokens, logps = [], []
     finished = torch.zeros(N, dtype=torch.bool, device=device)
+    cut_at = torch.full((N,), -1, dtype=torch.long, device=device)  # [N] the step a stop string ended a row
     with few_rows_linears(model) if fast_decode else contextlib.nullcontext():  # decode: one token per row
         for step in range(max_new_tokens):
             logits = logits.float() / temperature  # [N, V]
@@ -313,6 +346,10 @@ def sample(
             tokens.append(token)
             logps.append(logp.masked_fill(finished, 0.0))
             finished = finished | torch.isin(token, eos)
+            if stopped is not None:
+                done = stopped(torch.stack(tokens, dim=1)) & ~finished  # [N]
+                cut_at = torch.where(done, step, cut_at)
+                finished = finished | done
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
@@ -333,6 +370,7 @@ def sample(
     first_eos = torch.where(
         is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long)
     )
+    first_eos = torch.where(cut_at >= 0, cut_at, first_eos)  # a stopped row ends at its last token
     mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long()  # [N, C]
     return Rollout(
         num_generations=num_generations,
@@ -341,6 +379,6 @@ def sample(
         completion_ids=completion_ids.masked_fill(mask == 0, pad_id),
         attention_mask=mask,
         trained_mask=mask,  # every token of a completion was sampled
-        truncated=~is_eos.any(-1),
+        truncated=~is_eos.any(-1) & (cut_at < 0),
         sampler_logps=torch.stack(logps, dim=1) * mask,
     )

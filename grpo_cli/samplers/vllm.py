@@ -376,6 +376,8 @@ class VLLMSampler:
         num_generations: int,
         greedy: bool = False,
         ignore_eos: bool = False,
+        max_new_tokens: int | None = None,
+        stop: list[str] | None = None,
     ) -> Rollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -390,12 +392,15 @@ class VLLMSampler:
                 temperature=0.0 if greedy else s.temperature,
                 top_p=1.0 if greedy else s.top_p,
                 top_k=0 if greedy else s.top_k,
-                max_tokens=s.max_new_tokens,
+                max_tokens=max_new_tokens or s.max_new_tokens,
                 seed=None if seeds is None or greedy else seeds[b],
                 logprobs=0,  # the sampled token's log-prob
                 ignore_eos=True,  # EOS is ours: stop_token_ids
                 stop_token_ids=[] if ignore_eos else self.eos_ids,
-                detokenize=False,
+                # Stop strings need the text; the token that completes one is kept.
+                stop=list(stop or []),
+                include_stop_str_in_output=True,
+                detokenize=bool(stop),
             )
             for b in range(len(prompts))
         ]
@@ -482,7 +487,8 @@ class VLLMSampler:
 
 
 def build(
-    cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool = False, seed: int = 0
+    cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool = False, seed: int = 0, tokenizer=None
 ) -> VLLMSampler:
-    """The engine (fast_decode is the built-in sampler's; vLLM has its own kernels)."""
+    """The engine (fast_decode is the built-in sampler's; vLLM has its own kernels; it reads the
+    model's tokenizer itself)."""
     return VLLMSampler(cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, seed=seed)

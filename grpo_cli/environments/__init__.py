@@ -1,0 +1,158 @@
+"""Environments: multi-turn episodes in place of one completion per prompt (docs/environments.md).
+
+An environment is any object with this small interface (a user's by import path,
+`environment.fn=my_pkg.my_env:MyEnv`, a class or factory called with no arguments):
+
+    stop: list[str]                 optional: strings that end the model's turn besides its end of
+                                    turn (a tool's closing tag); the tokens stay as sampled
+    reset(row) -> messages | None   row: the example's columns and its `prompt`. Messages replace
+                                    the prompt (rendered like the data's, data.system_prompt and
+                                    all); None keeps it. Called once per prompt: its G episodes
+                                    are copies of that one state (copy.deepcopy).
+    step(text) -> Reply | str | None
+                                    the model's turn, as text; what the environment says back
+                                    (a str: a reply; None: the episode is done)
+    reward() -> float | None        optional: the episode's own reward, given to the rewards as
+                                    the `env_reward` column (the `environment` reward returns it)
+
+How a reply joins the token sequence (never a re-rendering of the history): after a turn that
+ended at one of `stop`, inline, right after the sampled tokens (the model goes on with its own
+message); after a turn that ended with the end-of-turn token, as a chat message of Reply.role,
+the chat template's text between an end of turn and the next assistant turn (the newline after
+the end-of-turn token included, the end-of-turn token itself not repeated). Its tokens are
+attended to and never trained (Rollout.trained_mask).
+
+Plain functions given as tools (`environment.tools=[my_pkg.tools:search]`) make a ToolEnv: the
+model calls `search` by writing `<search>query</search>` and reads `<result>...</result>`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_cli.errors import UserError
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What an environment says back after a turn."""
+
+    content: str | None = None  # None: nothing to say
+    done: bool = False  # the episode ends (after `content`, which the model then never answers)
+    role: str = "user"  # the chat role of a reply to a finished turn ("user", "tool")
+    tool_call: bool = False  # counted: the turn called a tool
+    error: bool = (
+        False  # counted: the call failed (unknown tool, bad arguments, the tool raised or timed out)
+    )
+
+
+def call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str):
+    """fn(*args) in a daemon thread, at most timeout_s seconds (0: no limit). A call that takes
+    longer raises TimeoutError; its thread is left to finish on its own (Python cannot stop a
+    thread), so a tool that never returns holds one idle thread, never the run."""
+    if not timeout_s:
+        return fn(*args)
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name=f"grpo-env {what}")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} took longer than environment.timeout_s={timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class ToolEnv:
+    """Plain functions as tools, with a tag protocol any model can write: `<name>argument</name>`
+    calls `name(argument)`; the reply, inline, is `<result>value</result>` or `<error>why</error>`.
+    A turn that ends without a call ends the episode."""
+
+    def __init__(self, tools: list[Callable], *, timeout_s: float = 10.0):
+        self.tools = {fn.__name__: fn for fn in tools}
+        self.timeout_s = timeout_s
+        self.stop = [f"</{name}>" for name in self.tools]
+        self._call = re.compile(r"<(\w+)>(.*?)</\1>\s*$", re.S)
+
+    def instructions(self) -> str:
+        lines = ["You can use these tools. Write the call in tags; the result comes back in <result> tags."]
+        for name, fn in self.tools.items():
+            doc = (inspect.getdoc(fn) or "").strip().splitlines()
+            lines.append(f"<{name}>...</{name}>: {doc[0] if doc else name}")
+        return "\n".join(lines)
+
+    def reset(self, row: dict) -> list[dict]:
+        prompt = row["prompt"]
+        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        if messages and messages[0].get("role") == "system":
+            first = {**messages[0], "content": f"{messages[0]['content']}\n\n{self.instructions()}"}
+            return [first] + messages[1:]
+        return [{"role": "system", "content": self.instructions()}] + messages
+
+    def step(self, text: str) -> Reply:
+        call = self._call.search(text)
+        if call is None:
+            return Reply(done=True)  # an answer, not a call
+        name, argument = call.group(1), call.group(2)
+        if name not in self.tools:
+            return Reply(f"<error>no tool named {name}</error>", role="tool", tool_call=True, error=True)
+        try:
+            value = call_with_timeout(self.tools[name], (argument,), self.timeout_s, f"tool {name}")
+        except Exception as exc:  # noqa: BLE001 - the model sees what went wrong, the run goes on
+            return Reply(f"<error>{exc}</error>", role="tool", tool_call=True, error=True)
+        return Reply(f"<result>{value}</result>", role="tool", tool_call=True)
+
+
+def load_object(path: str, what: str):
+    """`pkg.module:name` -> the object (UserError naming `what` and the path otherwise)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"{what}={path!r} is not an import path; write it as package.module:name.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(
+            f"{what}={path!r}: module {module_name!r} cannot be imported ({exc}). Install it, or run "
+            "from the folder that holds it."
+        ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UserError(f"{what}={path!r}: module {module_name!r} has no {attr!r}.") from None
+
+
+def environment_factory(cfg) -> Callable[[], Any] | None:
+    """A function making a fresh environment for cfg (config.EnvironmentConfig), None when single-turn."""
+    if cfg.fn:
+        factory = load_object(cfg.fn, "environment.fn")
+        if not callable(factory):
+            raise UserError(
+                f"environment.fn={cfg.fn!r} is not a class or a function; it must make an environment."
+            )
+        return factory
+    if cfg.tools:
+        tools = [load_object(path, "environment.tools") for path in cfg.tools]
+        for path, fn in zip(cfg.tools, tools):
+            if not callable(fn):
+                raise UserError(f"environment.tools: {path!r} is not a function.")
+        return lambda: ToolEnv(tools, timeout_s=cfg.timeout_s)
+    return None
+
+
+def fresh_copies(env, n: int) -> list:
+    """n environments in the state `env` is in now (a prompt's G episodes start alike)."""
+    return [copy.deepcopy(env) for _ in range(n)]
