@@ -4,11 +4,15 @@ configured rewards; `evaluate` (grpo-train's eval/ metrics) and grpo-eval report
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from grpo_cli.data import Example
+from grpo_cli.environments.episodes import episode_metrics
 from grpo_cli.errors import UserError
 from grpo_cli.rewards import correctness, passes, score_examples
+from grpo_cli.rollout import select
 from grpo_cli.samplers import draw
 
 
@@ -23,6 +27,8 @@ class Graded:
     passed: list[bool]
     correct: list[float | None]
     lengths: list[int]
+    # An environment's episodes: their env/* means (environments.episodes.episode_metrics), else {}.
+    env: dict[str, float] = field(default_factory=dict)
 
 
 def grade(
@@ -49,7 +55,8 @@ def grade(
             lengths = rollout.lengths.tolist()
             for g, ex in enumerate(chunk):
                 rows = slice(g * G, (g + 1) * G)
-                out.append(Graded(ex, total[rows], passed[rows], list(correct[rows]), lengths[rows]))
+                env = episode_metrics(select(rollout, torch.arange(g * G, (g + 1) * G)))
+                out.append(Graded(ex, total[rows], passed[rows], list(correct[rows]), lengths[rows], env))
     return out
 
 
@@ -84,6 +91,8 @@ def evaluate(
                 by_group[group][1] += 1
     sums = [sum(totals), len(totals), sum(accuracy), len(accuracy)]
     sums += [x for name in groups for x in by_group[name]]
+    env_names = sorted(graded[0].env) if graded and graded[0].env else []
+    sums += [sum(g.env[k] for g in graded) for k in env_names] + [len(graded)] * bool(env_names)
     sums = reduce(sums) if reduce else sums
     reward_sum, reward_n, accuracy_sum, accuracy_n = sums[:4]
     out = {f"{prefix}/reward": reward_sum / max(reward_n, 1)}
@@ -93,6 +102,10 @@ def evaluate(
         total, n = sums[4 + 2 * i : 6 + 2 * i]
         if n:
             out[f"{prefix}/accuracy/{name}"] = total / n
+    if env_names:  # an environment's episodes (env/tool_call_rate: how often it calls a tool)
+        base = 4 + 2 * len(groups)
+        for i, k in enumerate(env_names):
+            out[f"{prefix}/{k}"] = sums[base + i] / max(sums[base + len(env_names)], 1)
     return out
 
 

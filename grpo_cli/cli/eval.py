@@ -114,6 +114,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
             "greedy_mean_length": sum(g.lengths[0] for g in greedy) / len(greedy),
         }
         per_group("greedy_accuracy", greedy)
+        result.update(_env_means("greedy", greedy))
         if wide:  # the second held-out set: operands outside the training range
             wide_graded = run(1, True, wide)
             result["wide_num_prompts"] = len(wide)
@@ -143,6 +144,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
                     "sampled_reward": sum(totals) / len(totals),
                 }
             )
+            result.update(_env_means("sampled", sampled))
             per_group("pass@1", sampled, G)  # per kind: how often it samples a right answer
             result["advice"] = _advice(result["pass@1"])
         result["seconds"] = time.perf_counter() - t0
@@ -152,6 +154,12 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         finally:
             rewards.close()
     return result
+
+
+def _env_means(name: str, graded: list) -> dict[str, float]:
+    """An environment's episode metrics (env/turns, env/tool_call_rate, ...) over the prompts."""
+    keys = sorted(graded[0].env) if graded and graded[0].env else []
+    return {f"{name}_{k}": sum(g.env[k] for g in graded) / len(graded) for k in keys}
 
 
 def _advice(rate: float) -> str:

@@ -340,10 +340,11 @@ def with_environment(sampler, cfg, *, tokenizer, eos_ids: list[int], pad_id: int
 
 
 def episode_metrics(rollout: Rollout) -> dict[str, float]:
-    """env/* of a rollout of episodes (nothing for a single-turn one): per episode, the mean turns,
-    tool calls and tool errors; the share of episodes truncated (a token budget ended them),
-    out of turns, failed (environment.on_error=mask) or with a reply cut; the share of
-    completion-side tokens the environment wrote."""
+    """env/* of a rollout of episodes (nothing for a single-turn one): per episode,
+    the mean turns, tool calls and tool errors; the share of episodes that called a tool at least
+    once (tool_call_rate), that a token budget ended (truncated), that ran out of turns, that
+    failed (environment.on_error=mask) or had a reply cut; the share of completion-side tokens
+    the environment wrote."""
     if rollout.episode_stats is None:
         return {}
     stats = rollout.episode_stats.float()  # [N, S]
@@ -354,6 +355,7 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
     return {
         "env/turns": float(col["turns"].mean()),
         "env/tool_calls": float(col["tool_calls"].mean()),
+        "env/tool_call_rate": float((col["tool_calls"] > 0).float().mean()),
         "env/tool_errors": float(col["tool_errors"].mean()),
         "env/truncated": float(rollout.truncated.float().mean()),
         "env/out_of_turns": float((col["out_of_turns"] > 0).float().mean()),
