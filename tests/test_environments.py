@@ -443,3 +443,46 @@ def test_grpo_train_runs_an_environment_preset(tmp_path, preset):
     steps = [r for r in rows if "env/turns" in r]
     assert len(steps) == 2 and all(r["env/turns"] >= 1 for r in steps)
     assert all(0 <= r["env/env_token_share"] < 1 for r in steps)
+
+
+class _NoSession:
+    """The built-in sampler seen as any other sampler: no session, the history given again."""
+
+    def __init__(self, sampler):
+        self.inner, self.tolerance = sampler, sampler.tolerance
+
+    def sampling(self):
+        return self.inner.sampling()
+
+    def generate(self, prompts, **kw):
+        return self.inner.generate(prompts, **kw)
+
+
+def test_the_kv_cache_kept_across_turns_samples_what_the_whole_history_does(tiny_model):
+    """The built-in sampler's session (the KV cache kept across turns, only the new tokens fed)
+    draws the same episodes as giving the sampler each episode's whole sequence again."""
+    model, tok = tiny_model
+    from grpo_cli.config.schema import SamplerConfig
+
+    s = BuiltinSampler(
+        SamplerConfig(max_new_tokens=6),
+        model,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        precision=resolve_precision("fp32", torch.device("cpu")),
+        fast_decode=True,
+        tokenizer=tok,
+    )
+    cfg = EnvironmentConfig(fn="test_environments:Echo", max_turns=4)
+    ex = _examples(tok)
+    for greedy in (False, True):
+        kept = _episodes(s, tok, cfg, max_new_tokens=6).episodes(
+            ex, seeds=[5, 6], num_generations=3, greedy=greedy
+        )
+        again = _episodes(_NoSession(s), tok, cfg, max_new_tokens=6).episodes(
+            ex, seeds=[5, 6], num_generations=3, greedy=greedy
+        )
+        assert torch.equal(kept.completion_ids, again.completion_ids)
+        assert torch.equal(kept.trained_mask, again.trained_mask) and torch.equal(kept.roles, again.roles)
+        assert torch.allclose(kept.sampler_logps, again.sampler_logps, atol=1e-4)
+        assert float(episode_metrics(kept)["env/turns"]) > 2

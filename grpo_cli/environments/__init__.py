@@ -23,7 +23,9 @@ the end-of-turn token included, the end-of-turn token itself not repeated). Its 
 attended to and never trained (Rollout.trained_mask).
 
 Plain functions given as tools (`environment.tools=[my_pkg.tools:search]`) make a ToolEnv: the
-model calls `search` by writing `<search>query</search>` and reads `<result>...</result>`.
+model calls `search` by writing `<search>query</search>` and reads `<result>...</result>`; the
+prompt lists the tools (their docstrings' first lines) and shows worked examples (a tool's
+`examples` attribute).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class ToolEnv:
         self.tools = {fn.__name__: fn for fn in tools}
         self.timeout_s = timeout_s
         self.stop = [f"</{name}>" for name in self.tools]
-        self._call = re.compile(r"<(\w+)>(.*?)</\1>\s*$", re.S)
+        self._call = re.compile(r"<(\w+)>(.*?)</\1>", re.S)
 
     def instructions(self) -> str:
         lines = ["You can use these tools. Write the call in tags; the result comes back in <result> tags."]
@@ -95,17 +97,34 @@ class ToolEnv:
             lines.append(f"<{name}>...</{name}>: {doc[0] if doc else name}")
         return "\n".join(lines)
 
+    def demonstrations(self) -> list[dict]:
+        """Worked examples as chat turns, from each tool's `examples` attribute ((question,
+        argument) pairs): the user asks, the assistant calls, the result, the answer. A small
+        model follows turns it has seen far more readily than a description (SmolLM2-135M:
+        docs/environments.md)."""
+        turns = []
+        for name, fn in self.tools.items():
+            for question, argument in getattr(fn, "examples", ()):
+                value = fn(argument)
+                answer = f"<{name}>{argument}</{name}><result>{value}</result>\n{value}"
+                turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return turns
+
     def reset(self, row: dict) -> list[dict]:
         prompt = row["prompt"]
         messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        system = {"role": "system", "content": self.instructions()}
         if messages and messages[0].get("role") == "system":
-            first = {**messages[0], "content": f"{messages[0]['content']}\n\n{self.instructions()}"}
-            return [first] + messages[1:]
-        return [{"role": "system", "content": self.instructions()}] + messages
+            system = {**messages[0], "content": f"{messages[0]['content']}\n\n{self.instructions()}"}
+            messages = messages[1:]
+        return [system, *self.demonstrations(), *messages]
 
     def step(self, text: str) -> Reply:
-        call = self._call.search(text)
-        if call is None:
+        calls = list(self._call.finditer(text))
+        # The call must end the turn: a turn that calls stops at the closing tag, whose last token
+        # may carry a character or two more ("</calc><" when "><" is one token).
+        call = calls[-1] if calls else None
+        if call is None or len(text[call.end() :].strip()) > 3:
             return Reply(done=True)  # an answer, not a call
         name, argument = call.group(1), call.group(2)
         if name not in self.tools:

@@ -90,3 +90,7 @@ def calc(expression: str) -> str:
     if isinstance(value, float):
         value = int(value) if value.is_integer() and abs(value) < 2**53 else round(value, 6)
     return str(value)
+
+
+# Worked examples the tool environment shows as chat turns before the question (ToolEnv.demonstrations).
+calc.examples = [("What is 12 minus 17?", "12-17"), ("What is 3 times 4?", "3*4")]

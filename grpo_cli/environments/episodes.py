@@ -43,6 +43,7 @@ class _Episode:
     trained: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     roles: list[int] = field(default_factory=list)
+    reply_start: int = 0  # where the environment's last reply starts in ids
     truncated: bool = False
     failed: bool = False
     done: bool = False
@@ -189,39 +190,47 @@ class Episodes:
         stop = list(getattr(first, "stop", None) or [])
         # Turn 0: the sampler's plain call, G per prompt from the prompt's seed.
         live = list(range(len(episodes)))
+        # The built-in sampler keeps its KV cache across turns (a session); any other sampler
+        # is given each live episode's whole token sequence again.
+        session = sampler.session(prompts, G) if hasattr(sampler, "session") else None
         for turn in range(cfg.max_turns):
             room = [self.budget - len(episodes[n].ids) for n in live]
             width = max(1, min(self.max_new_tokens, max(room)))
-            if turn == 0:
-                rollout = sampler.generate(
-                    prompts,
-                    seeds=seeds,
-                    num_generations=G,
-                    greedy=greedy,
-                    ignore_eos=ignore_eos,
-                    max_new_tokens=width,
-                    stop=stop,
-                )
+            row_seeds = None
+            if turn and not greedy and seeds is not None:
+                row_seeds = [turn_seed(seeds[n // G], n % G, turn) for n in live]
+            kw = dict(greedy=greedy, ignore_eos=ignore_eos, max_new_tokens=width, stop=stop)
+            if session is not None:
+                appended = [episodes[n].ids[episodes[n].reply_start :] for n in live]
+                out = session.turn(live, appended, seeds=seeds if turn == 0 else row_seeds, **kw)
+                drawn = [(out.tokens[n][out.mask[n].bool()], out.logps[n][out.mask[n].bool()]) for n in live]
+            elif turn == 0:
+                r = sampler.generate(prompts, seeds=seeds, num_generations=G, **kw)
+                drawn = [(r.completion_ids[n][r.attention_mask[n].bool()], r.sampler_logps[n]) for n in live]
             else:
-                rollout = sampler.generate(
+                r = sampler.generate(
                     [prompts[n // G] + episodes[n].ids for n in live],
-                    seeds=None
-                    if greedy or seeds is None
-                    else [turn_seed(seeds[n // G], n % G, turn) for n in live],
+                    seeds=row_seeds,
                     num_generations=1,
-                    greedy=greedy,
-                    ignore_eos=ignore_eos,
-                    max_new_tokens=width,
-                    stop=stop,
+                    **kw,
                 )
+                drawn = [
+                    (r.completion_ids[k][r.attention_mask[k].bool()], r.sampler_logps[k])
+                    for k in range(len(live))
+                ]
             still = []
             for k, n in enumerate(live):
                 e = episodes[n]
-                mask = rollout.attention_mask[k].bool()
-                ids = rollout.completion_ids[k][mask].tolist()[: room[k]]
-                logps = rollout.sampler_logps[k][mask].tolist()
+                sampled = drawn[k][0].tolist()
+                ids = sampled[: room[k]]
+                logps = drawn[k][1].tolist()
                 ids, stopped = self._cut_at_stop(ids, stop)
                 ended = bool(ids) and ids[-1] in self.eos_ids and not ignore_eos
+                if session is not None and len(ids) < len(sampled) and (ended or stopped):
+                    raise RuntimeError(  # the cache would hold tokens the episode does not
+                        f"episodes: the sampler drew {len(sampled)} tokens past a stop string the episode "
+                        f"ends at {len(ids)}; a stop string longer than 16 tokens is not supported"
+                    )
                 e.ids += ids
                 e.trained += [1] * len(ids)
                 e.logps += logps[: len(ids)]
@@ -260,6 +269,7 @@ class Episodes:
                     e.truncated = True
                     continue
                 role = ROLE_CODES["tool" if not ended or reply.role == "tool" else "user"]
+                e.reply_start = len(e.ids)
                 e.ids += tokens
                 e.trained += [0] * len(tokens)
                 e.logps += [0.0] * len(tokens)

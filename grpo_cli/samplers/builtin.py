@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from grpo_cli.distributed import full_weights
-from grpo_cli.logprobs import filter_logits, model_logits, position_ids_from_mask, prefill
+from grpo_cli.logprobs import filter_logits, model_logits, prefill
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rollout import Rollout
 
@@ -113,14 +114,7 @@ class BuiltinSampler:
         stop: list[str] | None = None,
     ) -> Rollout:
         s = self.cfg
-        stopped = None
-        if stop and self.tokenizer is not None:
-            tokenizer = self.tokenizer
-
-            def stopped(tokens: torch.Tensor) -> torch.Tensor:  # [N, t] -> [N] bool
-                tails = tokenizer.batch_decode(tokens[:, -16:].tolist())
-                return torch.tensor([any(x in tail for x in stop) for tail in tails], device=tokens.device)
-
+        stopped = self._stopped(stop)
         with self.sampling():
             return sample(
                 self.policy,
@@ -137,6 +131,22 @@ class BuiltinSampler:
                 fast_decode=self.fast_decode,
                 stopped=stopped,
             )
+
+    def session(self, prompts: list[list[int]], num_generations: int) -> Session:
+        """Multi-turn episodes with the KV cache kept across turns (environments.episodes)."""
+        return Session(self, prompts, num_generations)
+
+    def _stopped(self, stop: list[str] | None):
+        """[N, t] tokens so far -> [N] bool: rows whose text now holds a stop string (None: none)."""
+        if not stop or self.tokenizer is None:
+            return None
+        tokenizer = self.tokenizer
+
+        def stopped(tokens: torch.Tensor) -> torch.Tensor:
+            tails = tokenizer.batch_decode(tokens[:, -16:].tolist())
+            return torch.tensor([any(x in tail for x in stop) for tail in tails], device=tokens.device)
+
+        return stopped
 
     def sync(self, policy) -> None:
         """Nothing to do: it samples from the policy's own weights."""
@@ -267,6 +277,142 @@ def draw(
     return torch.cat(tokens).clamp_(max=V - 1).squeeze(-1)  # [N]
 
 
+def _uniforms(seeds: list[int], columns: int, steps: int, device) -> torch.Tensor:
+    """[steps, len(seeds) * columns]: seed b's `columns` uniforms per decode step (a CPU generator
+    seeded seeds[b]; the same numbers whatever else shares the batch)."""
+    return torch.cat(
+        [
+            torch.rand((steps, columns), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            for seed in seeds
+        ],
+        dim=1,
+    ).to(device)
+
+
+@dataclass
+class _Decoded:
+    tokens: torch.Tensor  # [N, C] pad_id after a row ended
+    logps: torch.Tensor  # [N, C] 0 after a row ended
+    mask: torch.Tensor  # [N, C] long: up to and including a row's last token (EOS, or the stop's)
+    truncated: torch.Tensor  # [N] bool: neither EOS nor a stop string ended it
+
+
+def _decode(
+    model,
+    state: _DecodeState,
+    *,
+    live: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    eos: torch.Tensor,
+    pad_id: int,
+    greedy: bool,
+    generator,
+    uniforms,
+    fast_decode: bool,
+    stopped,
+) -> _Decoded:
+    """Draw up to max_new_tokens for the `live` rows [N] bool from state.logits, feeding each
+    drawn token but the last into state's KV cache (a row's tokens after its end are masked out
+    of the cache). Rows not live draw nothing."""
+    device, N = state.logits.device, state.logits.shape[0]
+    tokens, logps = [], []
+    finished = ~live  # [N]
+    cut_at = torch.full((N,), -1, dtype=torch.long, device=device)  # [N] the step a stop string ended a row
+    logits = state.logits
+    with few_rows_linears(model) if fast_decode else contextlib.nullcontext():  # decode: one token per row
+        for step in range(max_new_tokens):
+            logits = logits.float() / temperature  # [N, V]
+            if greedy:
+                token = logits.argmax(-1)  # [N]
+                kept = logits
+            else:
+                u = None if uniforms is None else uniforms[step, :, None]  # [N, 1]
+                kept = filter_logits(logits, top_k, top_p)  # [N, V] (logits itself when nothing truncates)
+                token = draw(kept.softmax(-1), generator, u)  # [N]
+            # Log-prob under the distribution the token was drawn from (the samplers' contract):
+            # tempered, then truncated by top-k/top-p when they are set; without truncation the very
+            # distribution the trainer scores (logprobs.token_logprobs, ref 000.1, 000.4).
+            logp = F.log_softmax(kept, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
+            token = token.masked_fill(finished, pad_id)
+            fed = (~finished).long()  # [N] this token is part of its row's sequence
+            tokens.append(token)
+            logps.append(logp.masked_fill(finished, 0.0))
+            finished = finished | torch.isin(token, eos)
+            if stopped is not None:
+                done = stopped(torch.stack(tokens, dim=1)) & ~finished  # [N]
+                cut_at = torch.where(done, step, cut_at)
+                finished = finished | done
+            state.pending = torch.where(fed.bool(), token, state.pending)  # drawn, not yet in the cache
+            state.has_pending = state.has_pending | fed.bool()
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            state.attention_mask = torch.cat([state.attention_mask, fed[:, None]], dim=1)
+            position_ids = state.attention_mask.sum(-1, keepdim=True) - 1  # [N, 1]
+            logits = model_logits(
+                model,
+                input_ids=token[:, None],
+                attention_mask=state.attention_mask,
+                position_ids=position_ids,
+                past_key_values=state.cache,
+                use_cache=True,
+            )[:, -1, :]
+            state.has_pending = state.has_pending & ~fed.bool()  # the token just fed is in the cache
+    state.logits = logits
+
+    completion_ids = torch.stack(tokens, dim=1)  # [N, C]
+    is_eos = torch.isin(completion_ids, eos)  # [N, C]
+    C = completion_ids.shape[1]
+    # Index of the first EOS (C when none): tokens up to and including it are the completion.
+    first_eos = torch.where(
+        is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long)
+    )
+    first_eos = torch.where(cut_at >= 0, cut_at, first_eos)  # a stopped row ends at its last token
+    mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long() * live[:, None]  # [N, C]
+    return _Decoded(
+        tokens=completion_ids.masked_fill(mask == 0, pad_id),
+        logps=torch.stack(logps, dim=1) * mask,
+        mask=mask,
+        truncated=~is_eos.any(-1) & (cut_at < 0),
+    )
+
+
+@dataclass
+class _DecodeState:
+    """A batch's KV cache between decode calls: the cache, its attention mask [N, L], the logits
+    [N, V] that score each row's next token, and each row's last drawn token when it is not in
+    the cache yet (pending [N], has_pending [N] bool)."""
+
+    cache: object
+    attention_mask: torch.Tensor
+    logits: torch.Tensor
+    pending: torch.Tensor
+    has_pending: torch.Tensor
+
+
+def _prefilled(model, prompts: list[list[int]], num_generations: int, pad_id: int):
+    """Each prompt prefilled once into a KV cache that its G rows then share: (state, the rows'
+    prompt ids and mask [N, P])."""
+    device = next(model.parameters()).device
+    unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
+    cache, logits = prefill(model, unique_ids, unique_mask)  # [B, 1, V]
+    cache.batch_repeat_interleave(num_generations)
+    logits = logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
+    prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+    prompt_mask = unique_mask.repeat_interleave(num_generations, dim=0)
+    N = prompt_ids.shape[0]
+    state = _DecodeState(
+        cache,
+        prompt_mask,
+        logits,
+        torch.full((N,), pad_id, dtype=torch.long, device=device),
+        torch.zeros(N, dtype=torch.bool, device=device),
+    )
+    return state, prompt_ids, prompt_mask
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -295,90 +441,120 @@ def sample(
     stopped: tokens so far [N, t] -> [N] bool, rows that may stop drawing (a stop string); they
     end without an EOS (their last token kept), and the tokens they would have drawn are not.
     A row's draws do not depend on when the others stop."""
-
-    device = next(model.parameters()).device
-    unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
-    # Each prompt is prefilled once; its KV cache is then shared by its G completions.
-    cache, logits = prefill(model, unique_ids, unique_mask)  # [B, 1, V]
-    cache.batch_repeat_interleave(num_generations)
-    logits = logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
-    prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-    prompt_mask = unique_mask.repeat_interleave(num_generations, dim=0)
-    N = prompt_ids.shape[0]
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)  # may be empty
-
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"sample: {len(seeds)} seeds for {len(prompts)} prompts")
+    state, prompt_ids, prompt_mask = _prefilled(model, prompts, num_generations, pad_id)
+    device = prompt_ids.device
     uniforms = None  # [max_new_tokens, N]: row n's uniform at each decode step
     if seeds is not None and not greedy:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"sample: {len(seeds)} seeds for {len(prompts)} prompts")
-        uniforms = torch.cat(
-            [
-                torch.rand(
-                    (max_new_tokens, num_generations),
-                    generator=torch.Generator().manual_seed(seed),
-                    dtype=torch.float64,
-                )
-                for seed in seeds
-            ],
-            dim=1,
-        ).to(device)
-
-    attention_mask = prompt_mask
-    position_ids = position_ids_from_mask(attention_mask)
-    tokens, logps = [], []
-    finished = torch.zeros(N, dtype=torch.bool, device=device)
-    cut_at = torch.full((N,), -1, dtype=torch.long, device=device)  # [N] the step a stop string ended a row
-    with few_rows_linears(model) if fast_decode else contextlib.nullcontext():  # decode: one token per row
-        for step in range(max_new_tokens):
-            logits = logits.float() / temperature  # [N, V]
-            if greedy:
-                token = logits.argmax(-1)  # [N]
-                kept = logits
-            else:
-                u = None if uniforms is None else uniforms[step, :, None]  # [N, 1]
-                kept = filter_logits(logits, top_k, top_p)  # [N, V] (logits itself when nothing truncates)
-                token = draw(kept.softmax(-1), generator, u)  # [N]
-            # Log-prob under the distribution the token was drawn from (the samplers' contract):
-            # tempered, then truncated by top-k/top-p when they are set; without truncation the very
-            # distribution the trainer scores (logprobs.token_logprobs, ref 000.1, 000.4).
-            logp = F.log_softmax(kept, -1).gather(-1, token[:, None]).squeeze(-1)  # [N]
-            token = token.masked_fill(finished, pad_id)
-            tokens.append(token)
-            logps.append(logp.masked_fill(finished, 0.0))
-            finished = finished | torch.isin(token, eos)
-            if stopped is not None:
-                done = stopped(torch.stack(tokens, dim=1)) & ~finished  # [N]
-                cut_at = torch.where(done, step, cut_at)
-                finished = finished | done
-            if bool(finished.all()) or step == max_new_tokens - 1:
-                break
-            attention_mask = torch.cat([attention_mask, torch.ones_like(token)[:, None]], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-            logits = model_logits(
-                model,
-                input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-            )[:, -1, :]
-
-    completion_ids = torch.stack(tokens, dim=1)  # [N, C]
-    is_eos = torch.isin(completion_ids, eos)  # [N, C]
-    C = completion_ids.shape[1]
-    # Index of the first EOS (C when none): tokens up to and including it are the completion.
-    first_eos = torch.where(
-        is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(is_eos[:, 0], C, dtype=torch.long)
+        uniforms = _uniforms(seeds, num_generations, max_new_tokens, device)
+    out = _decode(
+        model,
+        state,
+        live=torch.ones(prompt_ids.shape[0], dtype=torch.bool, device=device),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos=torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device),  # may be empty
+        pad_id=pad_id,
+        greedy=greedy,
+        generator=generator,
+        uniforms=uniforms,
+        fast_decode=fast_decode,
+        stopped=stopped,
     )
-    first_eos = torch.where(cut_at >= 0, cut_at, first_eos)  # a stopped row ends at its last token
-    mask = (torch.arange(C, device=device)[None, :] <= first_eos[:, None]).long()  # [N, C]
     return Rollout(
         num_generations=num_generations,
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        completion_ids=completion_ids.masked_fill(mask == 0, pad_id),
-        attention_mask=mask,
-        trained_mask=mask,  # every token of a completion was sampled
-        truncated=~is_eos.any(-1) & (cut_at < 0),
-        sampler_logps=torch.stack(logps, dim=1) * mask,
+        completion_ids=out.tokens,
+        attention_mask=out.mask,
+        trained_mask=out.mask,  # every token of a completion was sampled
+        truncated=out.truncated,
+        sampler_logps=out.logps,
     )
+
+
+class Session:
+    """A batch of multi-turn episodes on the built-in sampler, its KV cache kept across turns:
+    a later turn feeds only what is new (the last token drawn, the environment's reply), never
+    the history again. Rows: the prompts' G episodes, grouped by prompt."""
+
+    def __init__(self, sampler: BuiltinSampler, prompts: list[list[int]], num_generations: int):
+        self.sampler, self.G, self.B = sampler, num_generations, len(prompts)
+        with sampler.sampling():
+            self.state, _, _ = _prefilled(sampler.policy, prompts, num_generations, sampler.pad_id)
+        self.turns = 0
+
+    @torch.no_grad()
+    def turn(
+        self,
+        rows: list[int],
+        appended: list[list[int]],
+        *,
+        seeds: list[int] | None,
+        greedy: bool,
+        ignore_eos: bool,
+        max_new_tokens: int,
+        stop: list[str] | None,
+    ) -> _Decoded:
+        """The next turn of `rows` (every row on the first turn), after feeding each row's
+        `appended` tokens (the environment's reply). seeds: on the first turn one per prompt, then
+        one per row. Returns the decoded turn over all rows ([N, C], rows not given masked)."""
+        sp, st = self.sampler, self.state
+        device, N = st.logits.device, st.logits.shape[0]
+        live = torch.zeros(N, dtype=torch.bool, device=device)
+        live[rows] = True
+        with sp.sampling():
+            chunks = [[] for _ in range(N)]
+            for n, extra in zip(rows, appended):
+                chunks[n] = ([int(st.pending[n])] if bool(st.has_pending[n]) else []) + list(extra)
+            st.has_pending = st.has_pending & ~live
+            W = max(len(c) for c in chunks)
+            if W:  # left-padded, so every fed row's last column is its last token
+                ids = torch.full((N, W), sp.pad_id, dtype=torch.long)
+                mask = torch.zeros((N, W), dtype=torch.long)
+                for n, c in enumerate(chunks):
+                    if c:
+                        ids[n, W - len(c) :], mask[n, W - len(c) :] = torch.tensor(c), 1
+                st.attention_mask = torch.cat([st.attention_mask, mask.to(device)], dim=1)
+                positions = (st.attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]
+                logits = model_logits(
+                    sp.policy,
+                    input_ids=ids.to(device),
+                    attention_mask=st.attention_mask,
+                    position_ids=positions,
+                    past_key_values=st.cache,
+                    use_cache=True,
+                )[:, -1, :]
+                fed = mask[:, -1].bool().to(device)
+                st.logits = torch.where(fed[:, None], logits.to(st.logits.dtype), st.logits)
+            uniforms = None
+            if seeds is not None and not greedy:
+                if self.turns == 0:
+                    uniforms = _uniforms(seeds, self.G, max_new_tokens, device)
+                else:
+                    uniforms = torch.zeros((max_new_tokens, N), dtype=torch.float64, device=device)
+                    uniforms[:, rows] = _uniforms(seeds, 1, max_new_tokens, device)
+            s = sp.cfg
+            out = _decode(
+                sp.policy,
+                st,
+                live=live,
+                max_new_tokens=max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                eos=torch.tensor(
+                    [] if ignore_eos else sorted(set(sp.eos_ids)), dtype=torch.long, device=device
+                ),
+                pad_id=sp.pad_id,
+                greedy=greedy,
+                generator=None,
+                uniforms=uniforms,
+                fast_decode=sp.fast_decode,
+                stopped=sp._stopped(stop),
+            )
+        self.turns += 1
+        return out
