@@ -595,3 +595,73 @@ def test_default_model_draws_come_from_its_distribution(precision):
             assert chi2_fits(torch.bincount(first.completion_ids[:, 0], minlength=p.shape[0]), p)
     finally:
         sampler.close()
+
+
+# ----------------------------------------------------------------------------- episodes (issue #36)
+
+
+def test_episodes_on_vllm_draw_what_the_built_in_sampler_draws(policy):
+    """An environment's episodes through vLLM (stop strings in SamplingParams, each turn from the
+    whole sequence so far): greedy, token for token the built-in sampler's episodes (its KV cache
+    kept across turns); sampled, the trained tokens' log-probs are the trainer's and the
+    environment's tokens are attended and never trained."""
+    from test_environments import _episodes, _examples
+
+    from grpo_cli.config.schema import EnvironmentConfig, SamplerConfig
+    from grpo_cli.environments.episodes import episode_metrics
+    from grpo_cli.models import BUILTINS, load_tokenizer, resolve_source
+    from grpo_cli.samplers.builtin import BuiltinSampler
+    from grpo_cli.samplers.vllm import VLLMSampler
+
+    tok = load_tokenizer(resolve_source("builtin:tiny32"))
+    assert BUILTINS["tiny32"]() is not None
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=6, kv_cache_gib=0.25, max_model_len=256)
+    vllm = VLLMSampler(
+        cfg, policy, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, precision=_precision(), seed=0
+    )
+    builtin = BuiltinSampler(
+        SamplerConfig(max_new_tokens=6),
+        policy,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        precision=_precision(),
+        fast_decode=True,
+        tokenizer=tok,
+    )
+    env = EnvironmentConfig(fn="test_environments:Echo", max_turns=3)
+    examples = _examples(tok)
+    try:
+        a = _episodes(vllm, tok, env, max_new_tokens=6).episodes(
+            examples, seeds=None, num_generations=1, greedy=True
+        )
+        b = _episodes(builtin, tok, env, max_new_tokens=6).episodes(
+            examples, seeds=None, num_generations=1, greedy=True
+        )
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.roles, b.roles)
+        assert float(episode_metrics(a)["env/turns"]) > 1
+        r = _episodes(vllm, tok, env, max_new_tokens=6).episodes(examples, seeds=[4, 5], num_generations=4)
+    finally:
+        vllm.close()
+    env_tokens = r.attention_mask.bool() & ~r.trained_mask.bool()
+    assert bool(env_tokens.any()) and bool((r.sampler_logps[env_tokens] == 0).all())
+    diff = (_trainer_logps(policy, r) - r.sampler_logps).abs() * r.trained_mask
+    assert float(diff.max()) < 1e-4, float(diff.max())
+
+
+def test_grpo_train_runs_the_calculator_on_vllm(tmp_path):
+    run_dir = tmp_path / "run"
+    res = grpo(
+        [
+            *TINY32,
+            "environment=calculator",
+            "sampler.max_model_len=512",
+            "trainer.max_steps=2",
+            "data.eval_size=4",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all("env/turns" in r for r in rows)
+    assert all(0 <= r["sampler/logp_diff_mean"] < 1e-3 for r in rows)

@@ -483,7 +483,7 @@ class Session:
 
     def __init__(self, sampler: BuiltinSampler, prompts: list[list[int]], num_generations: int):
         self.sampler, self.G, self.B = sampler, num_generations, len(prompts)
-        with sampler.sampling():
+        with sampler.sampling(), torch.no_grad():
             self.state, _, _ = _prefilled(sampler.policy, prompts, num_generations, sampler.pad_id)
         self.turns = 0
 
