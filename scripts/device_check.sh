@@ -117,12 +117,12 @@ if [ "$mode" = cuda ]; then
   device=cuda precision=bf16 train_steps=4 eval_size=50
   bench=(--device cuda --steps 1 --warmup 1 --rounds 1 --variants "grpo-cli bf16,TRL bf16 tuned")
   alone=(--device cuda --steps 1 --warmup 1 --rounds 1 --variants "grpo-cli bf16,grpo-cli fp32")
-  limits=(90 80 70 30 180)  # tests, bf16 run, fp16 (and NCCL), check-env, benchmark: 8 min with the rest
+  limits=(90 80 70 30 180 45)  # tests, bf16 run, fp16 (and NCCL), check-env, benchmark, calculator: 8 min with the rest
 else
   device=cpu precision=bf16 train_steps=2 eval_size=20
   bench=(--device cpu --cases 1:0.04:1 --steps 1 --variants "grpo-cli fp32,grpo-cli bf16,TRL bf16 tuned")
   alone=(--device cpu --cases 1:0.04:1 --steps 1 --variants "grpo-cli fp32,grpo-cli bf16,floor fp32")
-  limits=(300 300 0 120 900)
+  limits=(300 300 0 120 900 300)
   # A CPU without bf16 units (no AVX512-BF16/AMX) emulates bf16 many times slower than fp32 (two
   # steps of the default recipe ran past 300 s on one): check fp32 there, and say so.
   if ! "${py[@]}" -c 'import sys; from grpo_cli.precision import cpu_has_bf16; sys.exit(not cpu_has_bf16())'; then
@@ -162,6 +162,11 @@ if step "$precision run, $train_steps steps (step-0 self-check)" "${limits[1]}" 
     failed=1
   fi
 fi
+
+# 2b. multi-turn episodes: the calculator environment, 2 steps on the built-in sampler (issue #36)
+step "environment=calculator run, 2 steps (built-in sampler)" "${limits[5]}" "$out/train.log" grpo-train \
+  "${recipe[@]}" environment=calculator "trainer.precision=$precision" "trainer.device=$device" trainer.max_steps=2 \
+  trainer.save_steps=2 trainer.eval_before=false data.eval_size=0 "hydra.run.dir=$work/calculator"
 
 # 3. fp16 with its real grad scaler; two processes over NCCL where there are two GPUs
 if [ "$device" = cuda ]; then

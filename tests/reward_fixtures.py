@@ -106,3 +106,8 @@ def _build_reward():
 
 
 LIFECYCLE = _build_reward()
+
+
+def environment_reward(completions, env_reward=None, **kwargs):
+    """The environment's own reward of each episode (None where it gave none)."""
+    return list(env_reward) if env_reward is not None else [None] * len(completions)

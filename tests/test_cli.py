@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -184,3 +185,48 @@ def test_reward_test_uses_a_user_reward_yaml_from_config_dir(tmp_path):
     cells = [c.strip() for c in row.split("│") if c.strip()]
     code = float(sum(map(ord, "12")) % 7)
     assert cells[-3:] == ["1", f"{code:g}", f"{1 + 0.5 * code:g}"]
+
+
+def test_reward_test_replays_an_episode(tmp_path):
+    """grpo-reward-test on a conversation (an episode's messages and the environment's reward):
+    the accuracy reward grades the assistant's last answer, a user reward reads env_reward."""
+    (tmp_path / "conf" / "reward").mkdir(parents=True)
+    (tmp_path / "conf" / "reward" / "env.yaml").write_text("env:\n  fn: reward_fixtures:environment_reward\n")
+    episode = [
+        {"role": "assistant", "content": "<calc>12-17</calc>"},
+        {"role": "tool", "content": "<result>-5</result>"},
+        {"role": "assistant", "content": "-5"},
+    ]
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text(
+        json.dumps({"completion": episode, "answer": "-5", "env_reward": 0.5})
+        + "\n"
+        + json.dumps(
+            {
+                "completion": episode[:2] + [{"role": "assistant", "content": "5"}],
+                "answer": "-5",
+                "env_reward": 0.0,
+            }
+        )
+        + "\n"
+    )
+    res = run_cli(
+        [
+            console_script("grpo-reward-test"),
+            "reward=[accuracy,env]",
+            "--config-dir",
+            str(tmp_path / "conf"),
+            "--file",
+            str(cases),
+            "--chat",
+        ],
+        cwd=tmp_path,
+        env={"COLUMNS": "200", "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert res.returncode == 0, res.stderr
+    rows = [
+        [c.strip() for c in line.split("│") if c.strip()]
+        for line in res.stdout.splitlines()
+        if "calc" in line
+    ]
+    assert [r[-3:] for r in rows] == [["1", "0.5", "1.5"], ["0", "0", "0"]]

@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="a dataset column for every completion, NAME=VALUE (repeatable)",
     )
-    parser.add_argument("--file", help='JSON Lines: one {"completion": ..., <columns>...} per line')
+    parser.add_argument(
+        "--file",
+        help='JSON Lines: one {"completion": ..., <columns>...} per line; a completion may be a list of '
+        'messages (an episode: assistant, tool, user), with its "env_reward"',
+    )
     parser.add_argument("--prompt", default="", help="the prompt passed to the rewards")
     parser.add_argument(
         "--chat",
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("no completions given; pass -c TEXT (repeatable) or --file cases.jsonl.")
         shared = _parse_columns(args.column)
         rows = [{**shared, **case} for case in cases]
-        keys = sorted({k for row in rows for k in row} - {"completion"})
+        # An episode replayed: `completion` a list of messages, `env_reward` the environment's reward.
+        keys = sorted({k for row in rows for k in row} - {"completion", "env_reward"})
         missing = [k for k in keys if any(k not in row for row in rows)]
         if missing:
             raise UserError(
@@ -112,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 prompts=[prompt] * len(rows),
                 completion_ids=completion_ids,
                 columns={k: [row[k] for row in rows] for k in keys},
+                env_reward=[row.get("env_reward") for row in rows]
+                if any("env_reward" in r for r in rows)
+                else None,
             )
     except UserError as exc:
         report_and_exit("grpo-reward-test", [str(exc)])
@@ -125,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("total", justify="right", style="bold")
     for i, row in enumerate(rows):
         values = ["None" if per_reward[s.name][i] is None else f"{per_reward[s.name][i]:.4g}" for s in specs]
-        table.add_row(
-            str(i), repr(row["completion"]), *[str(row[k]) for k in keys], *values, f"{totals[i]:.4g}"
+        c = row["completion"]
+        shown = (  # an episode: every message with who wrote it, as training logs it
+            " ".join(f"[{m.get('role')}] {m.get('content')}" for m in c)
+            if isinstance(c, list) and all(isinstance(m, dict) for m in c)
+            else repr(c)
         )
+        table.add_row(str(i), shown, *[str(row[k]) for k in keys], *values, f"{totals[i]:.4g}")
     Console().print(table)
     return 0
 
