@@ -30,6 +30,18 @@ def words(completions, **kwargs):
     return ["high"] * len(completions)
 
 
+class BrokenEnv:
+    """An environment whose step raises (every turn of the random tiny model ends: stop on any character)."""
+
+    stop = [chr(c) for c in range(33, 127)]
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        raise RuntimeError("the game server is down")
+
+
 # ----------------------------------------------------------------------------- fault injection
 
 

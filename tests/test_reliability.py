@@ -386,6 +386,25 @@ CATALOGUE = [
     Case("R7", ["reward=[]", "+reward.x.fn=reliability_helpers:words"], ["non-numeric value 'high'"]),
     Case("R8", [*LENGTH, "reward.length.weight=heavy"], ["reward.length.weight", "'heavy'"]),
     Case(
+        "E1",
+        ["environment.fn=no_such_module:Env"],
+        ["environment.fn='no_such_module:Env'", "cannot be imported"],
+    ),
+    Case(
+        "E2",
+        ["environment=calculator", "environment.fn=reliability_helpers:BrokenEnv"],
+        ["are both set; choose one"],
+    ),
+    Case(
+        "E3",
+        ["environment.fn=reliability_helpers:BrokenEnv"],
+        [
+            "environment reliability_helpers:BrokenEnv: step(text) raised RuntimeError",
+            "environment.on_error=mask",
+        ],
+    ),
+    Case("E4", ["environment=calculator", "sampler=vllm"], ["set sampler.max_model_len"]),
+    Case(
         "R9",
         ["reward=[]", "+reward.evilreward.weight=1"],
         ["unknown reward 'evilreward'", "reward.evilreward.fn="],
