@@ -165,3 +165,16 @@ def main() -> None:
 
     sys.argv[0] = "grpo-train"
     train_main()
+
+
+class Chatty:
+    """An environment that answers every turn (each ends at its first character: stop on any), so
+    the random tiny model's episodes have several turns."""
+
+    stop = [chr(c) for c in range(33, 127)]
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return "ok"

@@ -486,3 +486,61 @@ def test_the_kv_cache_kept_across_turns_samples_what_the_whole_history_does(tiny
         assert torch.equal(kept.trained_mask, again.trained_mask) and torch.equal(kept.roles, again.roles)
         assert torch.allclose(kept.sampler_logps, again.sampler_logps, atol=1e-4)
         assert float(episode_metrics(kept)["env/turns"]) > 2
+
+
+# ----------------------------------------------------------------------------- processes and resume
+
+EPISODES = tiny(
+    "environment.fn=reliability_helpers:Chatty",
+    "environment.max_turns=3",
+    "sampler.max_new_tokens=4",
+    "reward=[]",
+    "+reward.code.fn=reward_fixtures:char_code",
+    "optimizer.learning_rate=1e-3",
+    "trainer.prompts_per_step=2",
+    "trainer.max_steps=3",
+    "trainer.save_steps=1",
+    "trainer.keep_last=5",
+    "trainer.eval_before=false",
+    "data.eval_size=0",
+    "trainer.log_completions=8",
+)
+
+
+def _episode_rows(run):
+    from test_engine import read_metrics
+
+    from grpo_cli.samples import read_records
+
+    skip = ("time", "step_time", "tokens_per_second", "learning_rate")
+    rows = [{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_metrics(run)]
+    return rows, read_records(run)
+
+
+def test_episodes_are_the_same_on_two_processes_and_after_a_kill_and_resume(tmp_path):
+    """Multi-turn episodes sample what one process samples when two share the step (the logged
+    conversations, rewards and env/* metrics), and a run killed after a checkpoint and resumed
+    with trainer.resume=auto continues bit for bit."""
+    runs = {}
+    for name, extra, fault in [
+        ("one", [], None),
+        ("two", ["trainer.num_processes=2"], None),
+        ("killed", [], "kill_after_save:2"),
+    ]:
+        runs[name] = tmp_path / name
+        res = grpo([*EPISODES, *extra, f"hydra.run.dir={runs[name]}"], tmp_path, fault=fault)
+        assert res.returncode == (-9 if fault else 0), res.stdout[-3000:] + res.stderr[-3000:]
+    res = grpo([*EPISODES, f"hydra.run.dir={runs['killed']}", "trainer.resume=auto"], tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    one_rows, one_logged = _episode_rows(runs["one"])
+    assert [r["step"] for r in one_rows] == [1, 2, 3] and all(r["env/turns"] > 1 for r in one_rows)
+    assert any("[user] ok" in r["completion"] or "[tool] ok" in r["completion"] for r in one_logged)
+    resumed_rows, resumed_logged = _episode_rows(runs["killed"])
+    assert resumed_rows == one_rows and resumed_logged == one_logged  # bit for bit
+    two_rows, two_logged = _episode_rows(runs["two"])
+    same = ("step", "group", "prompt", "completion", "rewards", "reward", "length", "truncated")
+    assert [[r[k] for k in same] for r in two_logged] == [[r[k] for k in same] for r in one_logged]
+    for a, b in zip(one_rows, two_rows):
+        assert {k: v for k, v in a.items() if k.startswith("env/") or k == "reward"} == {
+            k: v for k, v in b.items() if k.startswith("env/") or k == "reward"
+        }
