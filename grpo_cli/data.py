@@ -256,9 +256,12 @@ def check_prompt_column(rows: list[dict], prompt_column: str, where: str) -> Non
 # ----------------------------------------------------------------------------- formatting
 
 
-def format_prompt(prompt: Any, tokenizer, *, system_prompt: str | None, use_chat_template: bool) -> str:
+def format_prompt(
+    prompt: Any, tokenizer, *, system_prompt: str | None, use_chat_template: bool, tools: list | None = None
+) -> str:
     """The text the model continues: the chat template when the tokenizer has one (and the
-    config allows), else the plain prompt."""
+    config allows), else the plain prompt. tools: JSON schemas the template renders (an
+    environment's native tool protocol)."""
     is_chat = isinstance(prompt, list)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if is_chat and not has_template:
@@ -270,6 +273,10 @@ def format_prompt(prompt: Any, tokenizer, *, system_prompt: str | None, use_chat
         messages = list(prompt) if is_chat else [{"role": "user", "content": str(prompt)}]
         if system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}] + messages
+        if tools:
+            return tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt)
 

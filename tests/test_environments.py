@@ -114,7 +114,11 @@ SENTINEL = "ZQZ"
 
 
 def sentinel(expression: str) -> str:
-    """Answers with a sentinel."""
+    """Answers with a sentinel.
+
+    Args:
+        expression: anything
+    """
     return SENTINEL
 
 
@@ -544,3 +548,67 @@ def test_episodes_are_the_same_on_two_processes_and_after_a_kill_and_resume(tmp_
         assert {k: v for k, v in a.items() if k.startswith("env/") or k == "reward"} == {
             k: v for k, v in b.items() if k.startswith("env/") or k == "reward"
         }
+
+
+# A tiny chat template that renders tools as Qwen2.5's does (their schemas in a system turn, a
+# call in <tool_call> tags, the result as a <tool_response> in a user turn).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|system|>Tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}."
+    ' Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call></s>\n{%- endif %}'
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}"
+    "</tool_response></s>\n{% else %}<|{{ m['role'] }}|>{{ m['content'] }}</s>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_the_native_tool_protocol_on_a_template_that_renders_tools(tiny_model):
+    """protocol=native: the template lists the tools, the model's turn ends with a <tool_call>
+    and its end of turn, the result comes back as the template's tool message; the sequence
+    equals the template's rendering of that conversation, and the tool's output is never
+    trained. A template that cannot render tools is refused with one paragraph."""
+    import copy
+
+    from grpo_cli.config.schema import Config
+    from grpo_cli.environments import tool_schema
+    from grpo_cli.environments.episodes import with_environment
+
+    _, tok = tiny_model
+    tok = copy.deepcopy(tok)
+    tok.chat_template = TOOLS_TEMPLATE
+    cfg = EnvironmentConfig(tools=["test_environments:sentinel"], protocol="native", max_reply_tokens=128)
+    call = '<tool_call>{"name": "sentinel", "arguments": {"expression": "1+1"}}</tool_call>'
+    sampler = ScriptedSampler(tok, [call + "</s>", "5</s>"], reply_marker=SENTINEL)
+    r = _episodes(sampler, tok, cfg, max_new_tokens=128).episodes(
+        _examples(tok)[:1], seeds=[0], num_generations=2
+    )
+    assert sampler.calls[0]["stop"] == []  # the model ends its own turn
+    ids = torch.cat(
+        [r.prompt_ids[0][r.prompt_mask[0].bool()], r.completion_ids[0][r.attention_mask[0].bool()]]
+    )
+    rendered = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "What is 2 plus 3?"},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": SENTINEL},
+            {"role": "assistant", "content": "5"},
+        ],
+        tools=[tool_schema(sentinel)],
+        tokenize=False,
+    )
+    assert tok.decode(ids) + "\n" == rendered
+    trained = r.trained_mask[0].bool()
+    assert SENTINEL not in tok.decode(r.completion_ids[0][trained])
+    assert episode_metrics(r)["env/tool_calls"] == 1.0 and episode_metrics(r)["env/tool_errors"] == 0.0
+    # A call that does not parse, or names no tool: an error the model reads, not the run's.
+    bad = ScriptedSampler(tok, ["<tool_call>{not json}</tool_call></s>", "5</s>"], reply_marker="error")
+    r = _episodes(bad, tok, cfg, max_new_tokens=128).episodes(
+        _examples(tok)[:1], seeds=[0], num_generations=2
+    )
+    assert episode_metrics(r)["env/tool_errors"] == 1.0 and episode_metrics(r)["env/turns"] == 2.0
+    # SmolLM2-like templates (role and content only) cannot carry it: refused.
+    whole = Config()
+    whole.environment = cfg
+    with pytest.raises(UserError, match="does not render tools .* environment.protocol=tag"):
+        with_environment(sampler, whole, tokenizer=tiny_model[1], eos_ids=[2], pad_id=0)
+    tok.chat_template = TOOLS_TEMPLATE
+    assert with_environment(sampler, whole, tokenizer=tok, eos_ids=[2], pad_id=0) is not sampler

@@ -246,6 +246,11 @@ class EnvironmentConfig:
     # writes (<name>argument</name>). One or the other; the presets: calculator, feedback.
     fn: Optional[str] = None
     tools: List[str] = field(default_factory=list)
+    # How tools are called: tag, a tag the model writes (<calc>12-17</calc>), with any chat template
+    # (SmolLM2's renders role and content only); native, the chat template's own tool protocol
+    # (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen2.5's and most others'), for a
+    # model whose template renders tools.
+    protocol: str = "tag"
     # The model's turns in an episode: 4 leaves room for two tool calls, an answer and a retry.
     max_turns: int = 4
     # The episode's completion-side tokens, sampled and written by the environment. None:

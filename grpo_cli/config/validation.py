@@ -33,6 +33,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "data.long_prompts": LONG_PROMPT_RULES,
         "sampler.backend": samplers.BACKENDS,
         "environment.on_error": ("raise", "mask"),
+        "environment.protocol": ("tag", "native"),
         "loss.loss_type": loss.LOSS_TYPES,
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,

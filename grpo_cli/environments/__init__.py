@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import json
 import re
 import threading
 from collections.abc import Callable
@@ -79,16 +80,26 @@ def call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str):
     return box["value"]
 
 
-class ToolEnv:
-    """Plain functions as tools, with a tag protocol any model can write: `<name>argument</name>`
-    calls `name(argument)`; the reply, inline, is `<result>value</result>` or `<error>why</error>`.
-    A turn that ends without a call ends the episode."""
+PROTOCOLS = ("tag", "native")
 
-    def __init__(self, tools: list[Callable], *, timeout_s: float = 10.0):
+
+class ToolEnv:
+    """Plain functions as tools. protocol tag (any model): `<name>argument</name>` calls
+    `name(argument)`; the reply, inline, is `<result>value</result>` or `<error>why</error>`.
+    protocol native (a chat template that renders tools, e.g. Qwen2.5's): the template lists the
+    tools (their JSON schemas, transformers.utils.get_json_schema), the model ends its turn with
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and the result comes back as a
+    `tool` message in the template's own format. A turn that ends without a call ends the episode."""
+
+    def __init__(self, tools: list[Callable], *, timeout_s: float = 10.0, protocol: str = "tag"):
         self.tools = {fn.__name__: fn for fn in tools}
         self.timeout_s = timeout_s
-        self.stop = [f"</{name}>" for name in self.tools]
+        self.protocol = protocol
+        self.stop = [f"</{name}>" for name in self.tools] if protocol == "tag" else []
         self._call = re.compile(r"<(\w+)>(.*?)</\1>", re.S)
+        self._native_call = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+        # The tools as the chat template takes them (native): what Episodes passes as tools=.
+        self.template_tools = [tool_schema(fn) for fn in tools] if protocol == "native" else None
 
     def instructions(self) -> str:
         lines = ["You can use these tools. Write the call in tags; the result comes back in <result> tags."]
@@ -113,6 +124,8 @@ class ToolEnv:
     def reset(self, row: dict) -> list[dict]:
         prompt = row["prompt"]
         messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        if self.protocol == "native":
+            return messages  # the template renders the tools (template_tools)
         system = {"role": "system", "content": self.instructions()}
         if messages and messages[0].get("role") == "system":
             system = {**messages[0], "content": f"{messages[0]['content']}\n\n{self.instructions()}"}
@@ -120,6 +133,8 @@ class ToolEnv:
         return [system, *self.demonstrations(), *messages]
 
     def step(self, text: str) -> Reply:
+        if self.protocol == "native":
+            return self._native_step(text)
         calls = list(self._call.finditer(text))
         # The call must end the turn: a turn that calls stops at the closing tag, whose last token
         # may carry a character or two more ("</calc><" when "><" is one token).
@@ -134,6 +149,54 @@ class ToolEnv:
         except Exception as exc:  # noqa: BLE001 - the model sees what went wrong, the run goes on
             return Reply(f"<error>{exc}</error>", role="tool", tool_call=True, error=True)
         return Reply(f"<result>{value}</result>", role="tool", tool_call=True)
+
+    def _native_step(self, text: str) -> Reply:
+        calls = list(self._native_call.finditer(text))
+        if not calls:
+            return Reply(done=True)
+        try:
+            call = json.loads(calls[-1].group(1))
+            name, arguments = call["name"], call.get("arguments", {})
+            if not isinstance(arguments, dict):
+                raise TypeError("arguments must be an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            return Reply(
+                f"error: the tool call does not parse ({exc})", role="tool", tool_call=True, error=True
+            )
+        if name not in self.tools:
+            return Reply(f"error: no tool named {name}", role="tool", tool_call=True, error=True)
+        try:
+            value = call_with_timeout(
+                lambda: self.tools[name](**arguments), (), self.timeout_s, f"tool {name}"
+            )
+        except Exception as exc:  # noqa: BLE001 - the model sees what went wrong, the run goes on
+            return Reply(f"error: {exc}", role="tool", tool_call=True, error=True)
+        return Reply(str(value), role="tool", tool_call=True)
+
+
+def tool_schema(fn: Callable) -> dict:
+    """A function's JSON schema for a chat template (its type hints and its docstring's Args)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as exc:
+        raise UserError(
+            f"environment.protocol=native: tool {fn.__name__!r} has no JSON schema ({exc}); give it type hints "
+            "and a docstring with an Args: section (transformers.utils.get_json_schema), or use "
+            "environment.protocol=tag."
+        ) from exc
+
+
+def renders_tools(tokenizer, schemas: list[dict]) -> bool:
+    """Whether the tokenizer's chat template shows the tools it is given (TRL checks the same)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=schemas, tokenize=False, add_generation_prompt=True
+        )
+    except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+        return False
+    return all(s["function"]["name"] in text for s in schemas)
 
 
 def load_object(path: str, what: str):
@@ -168,7 +231,7 @@ def environment_factory(cfg) -> Callable[[], Any] | None:
         for path, fn in zip(cfg.tools, tools):
             if not callable(fn):
                 raise UserError(f"environment.tools: {path!r} is not a function.")
-        return lambda: ToolEnv(tools, timeout_s=cfg.timeout_s)
+        return lambda: ToolEnv(tools, timeout_s=cfg.timeout_s, protocol=cfg.protocol)
     return None
 
 

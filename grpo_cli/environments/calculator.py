@@ -85,7 +85,11 @@ def evaluate(expression: str) -> int | float:
 
 
 def calc(expression: str) -> str:
-    """Evaluate arithmetic: numbers, + - * / and parentheses. Example: <calc>12-17</calc> gives -5."""
+    """Evaluate arithmetic: numbers, + - * / and parentheses. Example: <calc>12-17</calc> gives -5.
+
+    Args:
+        expression: the arithmetic to evaluate, e.g. 12-17
+    """
     value = evaluate(expression)
     if isinstance(value, float):
         value = int(value) if value.is_integer() and abs(value) < 2**53 else round(value, 6)

@@ -160,15 +160,16 @@ class Episodes:
                 return ids[:j], True
         return ids, False
 
-    def _prompt_ids(self, example, messages) -> list[int]:
-        if messages is None:
+    def _prompt_ids(self, example, messages, tools=None) -> list[int]:
+        if messages is None and not tools:
             return list(example.prompt_ids)
         d = self.data
         text = format_prompt(
-            messages,
+            messages if messages is not None else example.prompt,
             self.tokenizer,
             system_prompt=d.system_prompt if d else None,
             use_chat_template=True,
+            tools=tools,
         )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -183,7 +184,8 @@ class Episodes:
             row = {"prompt": ex.prompt, **ex.columns}
             messages = env if isinstance(env, _Failed) else self._call(env.reset, (row,), "reset(row)", ex, 0)
             failed = isinstance(messages, _Failed)
-            prompts.append(self._prompt_ids(ex, None if failed else messages))
+            tools = None if failed else getattr(env, "template_tools", None)
+            prompts.append(self._prompt_ids(ex, None if failed else messages, tools))
             for copy_ in fresh_copies(env, G) if not failed else [None] * G:
                 episodes.append(_Episode(env=copy_, failed=failed))
         first = next((e.env for e in episodes if e.env is not None), None)
@@ -337,6 +339,16 @@ def with_environment(sampler, cfg, *, tokenizer, eos_ids: list[int], pad_id: int
     factory = environment_factory(cfg.environment)
     if factory is None:
         return sampler
+    if cfg.environment.protocol == "native" and cfg.environment.tools:
+        from grpo_cli.environments import renders_tools, tool_schema
+
+        schemas = [tool_schema(t) for t in factory().tools.values()]
+        if not renders_tools(tokenizer, schemas):
+            raise UserError(
+                "environment.protocol=native: the model's chat template does not render tools (SmolLM2's "
+                "renders role and content only); use environment.protocol=tag (a tag the model writes, "
+                "which any template carries), or a model whose template renders tools."
+            )
     return Episodes(
         sampler,
         factory,
