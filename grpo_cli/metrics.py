@@ -404,9 +404,13 @@ def step_row(
     trained = r.trained_mask
     return {
         "step": step,
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.view(-1, G).std(-1, unbiased=False).mean()),
+        # (nanmean: a completion a reward could not score, Reward.nan_ok, has a NaN total.)
+        "reward": float(rewards.nanmean()),
+        "reward_std": float(rewards.view(-1, G).std(-1, unbiased=False).nanmean()),
         **reward_metrics(sampled.per_reward),
+        # Groups left out of the loss because a reward could not score one of their completions.
+        "rewards/failed_groups": int(rewards.isnan().view(-1, G).any(-1).sum()),
+        **sampled.reward_stats,
         "frac_reward_zero_std": sampled.zero_std_groups / max(sampled.groups, 1),
         "num_groups_sampled": sampled.groups,
         # Every completion sampled this step (adaptive rounds and discarded groups included): the

@@ -63,6 +63,9 @@ class Sampled:
     rescued_groups: int = 0
     examples: list = field(default_factory=list)  # every drawn example, in order
     seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "reward": 0.0})
+    # Per reward: time/rewards/<name> (seconds; the slowest process's), rewards/<name>/failures and
+    # its own counters (a judge's calls, retries, timeouts), summed over processes (score_rewards).
+    reward_stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +80,14 @@ class _Scored:
     pool_per_reward: dict[str, list] = field(default_factory=dict)
     resampled: int = 0
     rescued: int = 0
+    stats: dict[str, float] = field(default_factory=dict)  # score_rewards' per-reward stats
+
+
+def _merge_stats(into: dict[str, float], stats: dict[str, float]) -> None:
+    """Per-reward stats added up: counters summed, seconds (time/...) the larger (processes score
+    side by side)."""
+    for key, value in stats.items():
+        into[key] = max(into.get(key, 0.0), value) if key.startswith("time/") else into.get(key, 0.0) + value
 
 
 def sample_and_score(
@@ -141,6 +152,8 @@ def sample_and_score(
         sampled.completions += len(scored.pool_totals)
         sampled.resampled_groups += scored.resampled
         sampled.rescued_groups += scored.rescued
+        for key, value in scored.stats.items():
+            sampled.reward_stats[key] = sampled.reward_stats.get(key, 0.0) + value
         for name, column in scored.pool_per_reward.items():
             sampled.per_reward.setdefault(name, []).extend(column)
         keep = ~zero if t.dynamic_sampling else torch.ones_like(zero)
@@ -183,6 +196,7 @@ def _sample_groups(
     G = num_generations
     rounds = (sampling.max_generations or G) // G
     pools: list[list] = [[] for _ in examples]  # per prompt: its rounds' (rollout, totals, per_reward)
+    stats: dict[str, float] = {}
     pending = list(range(len(examples)))
     for round in range(rounds):
         if round:
@@ -202,7 +216,9 @@ def _sample_groups(
         seconds["rollout"] += time.perf_counter() - tick
         if pending:
             tick = time.perf_counter()
-            _, total, per_reward = score_examples(rewards, tokenizer, [examples[j] for j in pending], rollout)
+            _, total, per_reward = score_examples(
+                rewards, tokenizer, [examples[j] for j in pending], rollout, stats=stats
+            )
             seconds["reward"] += time.perf_counter() - tick
             for n, j in enumerate(pending):
                 rows = slice(n * G, (n + 1) * G)
@@ -216,7 +232,7 @@ def _sample_groups(
     if not examples:
         return None
     pad_id = tokenizer.pad_token_id
-    groups, scored = [], _Scored()
+    groups, scored = [], _Scored(stats=stats)
     for pool in pools:
         totals, per_reward = _pooled(pool)
         passed = passes(per_reward, totals, judge)
@@ -277,6 +293,7 @@ def _gather_scored(d: Dist, scored: _Scored | None, device, pad_id: int) -> _Sco
             joined.pool_per_reward.setdefault(name, []).extend(values)
         joined.resampled += p.resampled
         joined.rescued += p.rescued
+        _merge_stats(joined.stats, p.stats)
     return joined
 
 
@@ -285,9 +302,14 @@ def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[i
     (ref 002, 004) and the loss mask (the trained tokens, less truncated completions under
     loss.mask_truncated_completions); and the step's loss normalisers (num_sequences,
     num_tokens) and whether it has any learning signal."""
-    r = sampled.rollout
-    adv, zero_std, group_std = group_advantages(sampled.rewards, r.num_generations, cfg=lo)
+    r, G = sampled.rollout, sampled.rollout.num_generations
+    # A NaN total: a reward could not score that completion (Reward.nan_ok, e.g. a judge under
+    # on_error=nan). Its whole group is left out: advantages 0 (as a zero-std group) and no trained
+    # token, so it adds nothing to the loss, the KL or the normalisers.
+    failed = sampled.rewards.isnan().view(-1, G).any(-1).repeat_interleave(G)  # [N]
+    adv, zero_std, group_std = group_advantages(sampled.rewards.nan_to_num(0.0) * ~failed, G, cfg=lo)
     loss_mask = r.trained_mask.clone()  # [N, C]
+    loss_mask[failed] = 0
     if lo.mask_truncated_completions:
         loss_mask[r.truncated] = 0
     batch = Batch(

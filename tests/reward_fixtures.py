@@ -111,3 +111,83 @@ LIFECYCLE = _build_reward()
 def environment_reward(completions, env_reward=None, **kwargs):
     """The environment's own reward of each episode (None where it gave none)."""
     return list(env_reward) if env_reward is not None else [None] * len(completions)
+
+
+async def async_chars(completions, **kwargs):
+    """An async reward: waits as a network call would (reward_fixtures.ASYNC_DELAY seconds), then
+    scores the text's length modulo 3."""
+    import asyncio
+
+    await asyncio.sleep(ASYNC_DELAY)
+    return [float(len(c if isinstance(c, str) else c[-1]["content"]) % 3) for c in completions]
+
+
+ASYNC_DELAY = 0.3
+
+
+def hangs(completions, **kwargs):
+    """A reward that never returns (a verifier stuck on its input)."""
+    import time
+
+    time.sleep(3600)
+
+
+async def hangs_async(completions, **kwargs):
+    import asyncio
+
+    await asyncio.sleep(3600)
+
+
+def digit_sum(completions, **kwargs):
+    """CPU work per completion, the same value in any process: the sum of the text's digits."""
+    return [
+        float(sum(int(ch) for ch in (c if isinstance(c, str) else c[-1]["content"]) if ch.isdigit()))
+        for c in completions
+    ]
+
+
+def stuck_on_seven(completions, **kwargs):
+    """Returns at once, except on a completion holding a 7, where it never returns."""
+    import time
+
+    for c in completions:
+        if "7" in (c if isinstance(c, str) else c[-1]["content"]):
+            time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+_MET = {}
+
+
+async def _meet(me: str, other: str, completions):
+    """Marks `me` as started, then waits (up to 10 s) for `other` to have started."""
+    import asyncio
+
+    _MET[me] = asyncio.get_running_loop().time()
+    for _ in range(1000):
+        if other in _MET:
+            return [1.0] * len(completions)
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"{other} never started while {me} waited: the async rewards ran one after the other")
+
+
+async def meets_a(completions, **kwargs):
+    return await _meet("b", "a", completions)
+
+
+async def meets_b(completions, **kwargs):
+    return await _meet("a", "b", completions)
+
+
+def nan_on_seven(completions, **kwargs):
+    """NaN for a completion holding a 7 (a reward that cannot score it), else 1."""
+    return [float("nan") if "7" in c else 1.0 for c in completions]
+
+
+def _may_fail():
+    from grpo_cli.rewards import Reward
+
+    return Reward("may_fail", fn=nan_on_seven, nan_ok=True)
+
+
+MAY_FAIL = _may_fail()

@@ -22,7 +22,11 @@ def test_every_shipped_option_composes(compose, group, option, monkeypatch):
 
         monkeypatch.setattr(vllm_backend, "find_spec", lambda name: object())
     override = f"{group}=[{option}]" if group == "reward" else f"{group}={option}"
-    extra = ["data.path=x.jsonl"] if (group, option) == ("data", "jsonl") else []
+    extra = {  # the presets whose one required value has no default
+        ("data", "jsonl"): ["data.path=x.jsonl"],
+        ("reward", "judge"): ["reward.judge.base_url=http://127.0.0.1:8000/v1", "reward.judge.model=judge"],
+        ("reward", "model"): ["reward.model.name_or_path=org/reward-model"],
+    }.get((group, option), [])
     cfg = compose([override] + extra)
     assert group == "experiment" or cfg[group] is not None  # an experiment is global: no key of its own
     assert validate(cfg) == [], f"shipped preset {group}/{option} does not validate"
@@ -160,7 +164,7 @@ def test_presets_set_only_what_they_change(group):
             assert value != schema[key], f"{path.name} restates the schema's default {group}.{key}={value!r}"
 
 
-REWARDS = ["accuracy", "format", "length"]
+REWARDS = [p.stem for p in sorted((CONF / "reward").glob("*.yaml"))]  # one preset per built-in
 
 
 @pytest.mark.parametrize("name", REWARDS)
@@ -175,7 +179,7 @@ def test_a_built_in_rewards_options_are_typed_while_hydra_composes(compose, name
 
     node = compose([f"reward=[{name}]"]).reward[name]
     defaults = asdict(getattr(rewards, name).Options())
-    assert set(defaults) | {"weight", "fn", "role"} == set(node)
+    assert set(defaults) | {"weight", "fn", "role", "workers", "call_timeout_s"} == set(node)
     with pytest.raises(ConfigCompositionException, match=f"reward.{name}.weight"):
         compose([f"reward=[{name}]", f"reward.{name}.weight=heavy"])
 

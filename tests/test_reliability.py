@@ -367,7 +367,7 @@ CATALOGUE = [
         ["model.tokenizer", "/nonexistent/tokenizer"],
     ),
     # --- rewards
-    Case("R1", ["reward=[nope]"], ["reward/nope", "accuracy, format, length"]),
+    Case("R1", ["reward=[nope]"], ["reward/nope", "accuracy, format, judge, length, model"]),
     Case("R2", ["reward=[]", "+reward.nope.weight=1"], ["unknown reward 'nope'", "reward.nope.fn="]),
     Case("R3", ["reward=[]", "+reward.x.fn=no_such_module:score"], ["no_such_module", "PYTHONPATH"]),
     Case(

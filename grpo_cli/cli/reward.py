@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 for c in completions
             ]
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        stats: dict[str, float] = {}
         with specs.open():  # (a reward with a build, e.g. a model, loads here and is freed after)
             totals, per_reward = score_rewards(
                 specs,
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 env_reward=[row.get("env_reward") for row in rows]
                 if any("env_reward" in r for r in rows)
                 else None,
+                stats=stats,
             )
     except UserError as exc:
         report_and_exit("grpo-reward-test", [str(exc)])
@@ -141,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         table.add_row(str(i), shown, *[str(row[k]) for k in keys], *values, f"{totals[i]:.4g}")
     Console().print(table)
+    # Each reward's time, and its counters (a judge's calls, retries, timeouts; NaN failures).
+    print("time: " + ", ".join(f"{s.name} {stats.get(f'time/rewards/{s.name}', 0.0):.3f} s" for s in specs))
+    counted = {k: v for k, v in stats.items() if k.startswith("rewards/") and v}
+    if counted:
+        print("counted: " + ", ".join(f"{k[len('rewards/') :]} {v:g}" for k, v in sorted(counted.items())))
     return 0
 
 

@@ -59,7 +59,8 @@ RUN_ID = f"{os.getpid()}{secrets.token_hex(2)}"
 
 def reward_node(name: str, options: type) -> type:
     """The typed config node of a built-in reward: weight, fn and role (rewards.ROLES; None: the
-    reward's own) and the reward's Options dataclass, the one place their defaults live."""
+    reward's own), workers and call_timeout_s (how it is called: rewards.RewardSpec), and the
+    reward's Options dataclass, the one place their defaults live."""
     hints = typing.get_type_hints(options)
     return dataclasses.make_dataclass(
         f"{name.capitalize()}Reward",
@@ -67,6 +68,8 @@ def reward_node(name: str, options: type) -> type:
             ("weight", float, dataclasses.field(default=1.0)),
             ("fn", Optional[str], dataclasses.field(default=None)),
             ("role", Optional[str], dataclasses.field(default=None)),
+            ("workers", int, dataclasses.field(default=0)),
+            ("call_timeout_s", Optional[float], dataclasses.field(default=None)),
         ]
         + [
             (f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(options)

@@ -35,11 +35,11 @@ import importlib
 import inspect
 import json
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_cli import calls
 from grpo_cli.errors import UserError
 
 
@@ -57,27 +57,8 @@ class Reply:
 
 
 def call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str):
-    """fn(*args) in a daemon thread, at most timeout_s seconds (0: no limit). A call that takes
-    longer raises TimeoutError; its thread is left to finish on its own (Python cannot stop a
-    thread), so a tool that never returns holds one idle thread, never the run."""
-    if not timeout_s:
-        return fn(*args)
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True, name=f"grpo-env {what}")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"{what} took longer than environment.timeout_s={timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    """fn(*args), at most environment.timeout_s seconds (calls.call_with_timeout)."""
+    return calls.call_with_timeout(fn, args, timeout_s, what, "environment.timeout_s")
 
 
 PROTOCOLS = ("tag", "native")

@@ -79,7 +79,7 @@ __all__ = [
     "score_rewards",
 ]
 
-_NOT_REWARDS = ("base", "scoring")  # this package's modules that declare no reward
+_NOT_REWARDS = ("aio", "base", "scoring", "workers")  # this package's modules that declare no reward
 
 
 def _builtins() -> dict[str, Reward]:
@@ -99,7 +99,8 @@ def _builtins() -> dict[str, Reward]:
 REGISTRY: dict[str, Reward] = _builtins()
 #: The gold-answer column a correctness reward reads unless it sets answer_column.
 DEFAULT_ANSWER_COLUMN = REGISTRY["accuracy"].options().answer_column
-_NODE_KEYS = ("weight", "fn", "role")
+#: The keys of a reward's node that are not its options: how the engine uses it (every reward has them).
+_NODE_KEYS = ("weight", "fn", "role", "workers", "call_timeout_s")
 
 
 # --------------------------------------------------------------------------
@@ -239,6 +240,29 @@ def _signature_problem(fn: Callable) -> str | None:
     return None
 
 
+def _check_calls(problems: list[str], where: str, declared: Reward, workers: Any, timeout: Any) -> bool:
+    """Whether a reward's workers and call_timeout_s are usable (else the problems, added)."""
+    before = len(problems)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        problems.append(
+            f"{where}.workers={workers!r}: give a whole number >= 0 (0: the reward runs in the training "
+            "process; N: in a pool of N worker processes)"
+        )
+    elif workers and (declared.fn is None or inspect.iscoroutinefunction(declared.fn)):
+        kind = "is async" if declared.fn is not None else "is built when the run starts (a Reward with build)"
+        problems.append(
+            f"{where}.workers={workers}: this reward {kind}; worker processes run a plain synchronous "
+            f"function given by import path. Remove {where}.workers"
+        )
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+    ):
+        problems.append(
+            f"{where}.call_timeout_s={timeout!r}: give a number of seconds > 0 (or leave it unset: no limit)"
+        )
+    return len(problems) == before
+
+
 def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
     specs: list[RewardSpec] = []
     problems: list[str] = []
@@ -296,11 +320,21 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
             if sig_problem:
                 problems.append(f"{where}: fn={fn_path!r}: {sig_problem}")
         role = node.get("role") or declared.role
+        workers, timeout = node.get("workers") or 0, node.get("call_timeout_s")
+        calls_ok = _check_calls(problems, where, declared, workers, timeout)
         if role not in ROLES:
             problems.append(f"{where}.role={role!r}: choose one of {', '.join(ROLES)}")
-        elif weight_ok:
+        elif weight_ok and calls_ok:
             specs.append(
-                RewardSpec(name=name, reward=declared, weight=float(weight), options=options, role=role)
+                RewardSpec(
+                    name=name,
+                    reward=declared,
+                    weight=float(weight),
+                    options=options,
+                    role=role,
+                    workers=workers,
+                    call_timeout_s=None if timeout is None else float(timeout),
+                )
             )
     judges = [spec.name for spec in specs if spec.role == "correctness"]
     if len(judges) > 1:

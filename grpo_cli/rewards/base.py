@@ -35,8 +35,19 @@ class Reward:
     check(options) -> problems: its options' checks, run by config validation before any model loads.
     role: one of ROLES.
     build(device, dist, **options) -> scoring function: called once per process when the run
-      starts (rewards from a model load it here); dist is the run's distributed.Dist or None.
+      starts (rewards from a model load it here); dist is the run's distributed.Dist or None;
+      a build that takes `dtype` (or **options) gets the trainer's (torch.bfloat16 under
+      trainer.precision=bf16; None: fp32).
     close(scorer): frees what build made, when the run ends however it ends.
+    nan_ok: NaN is a value it may return: "this completion could not be scored" (a judge whose
+      call failed under on_error=nan). Its group is then left out of the loss, counted in
+      rewards/<name>/failures. (For any other reward a NaN is an error.)
+    columns(options) -> the dataset columns it reads, checked against the data before training.
+
+    A scoring function (fn, or what build made) may be async: calling it returns an awaitable,
+    and the step awaits every async reward together on one loop (rewards/aio.py). It may have a
+    `pop_metrics()` returning counters since its last call ({"calls": 32, "retries": 1}), logged
+    as rewards/<name>/<key>.
     """
 
     name: str
@@ -46,6 +57,8 @@ class Reward:
     role: str = "shaping"
     build: Callable[..., Callable[..., list]] | None = None
     close: Callable[[Callable[..., list]], None] | None = None
+    nan_ok: bool = False
+    columns: Callable[..., list[str]] | None = None
 
     def __post_init__(self):
         if (self.fn is None) == (self.build is None):
@@ -54,7 +67,9 @@ class Reward:
 
 @dataclass
 class RewardSpec:
-    """One configured reward of a run: its YAML name, declaration, weight, options and role.
+    """One configured reward of a run: its YAML name, declaration, weight, options and role, and
+    how it is called: workers (0: in the training process; N: a pool of N processes, one call
+    per completion, rewards/workers.py) and call_timeout_s (a call's time limit; None: none).
     `fn` is what scores: the declaration's function, or what its build made (after open)."""
 
     name: str
@@ -62,7 +77,10 @@ class RewardSpec:
     weight: float
     options: dict = field(default_factory=dict)
     role: str = "shaping"
+    workers: int = 0
+    call_timeout_s: float | None = None
     scorer: Callable[..., list] | None = None
+    pool: Any = None
 
     @property
     def fn(self) -> Callable[..., list]:
@@ -78,6 +96,17 @@ class RewardSpec:
         from grpo_cli.rewards import DEFAULT_ANSWER_COLUMN
 
         return self.options.get("answer_column", DEFAULT_ANSWER_COLUMN)
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether fn accepts the keyword argument `name` (by name, or through **kwargs)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 class Rewards:
@@ -101,11 +130,19 @@ class Rewards:
     def __repr__(self) -> str:
         return f"Rewards({[s.name for s in self._specs]})"
 
-    def open(self, device: Any = None, dist: Any = None) -> Rewards:
+    def open(self, device: Any = None, dist: Any = None, dtype: Any = None) -> Rewards:
+        """Builds the rewards that have a build, with the training device, the run's Dist and the
+        trainer's dtype (a build that takes `dtype` or **options gets it; None: fp32)."""
+        from grpo_cli.rewards.workers import Pool
+
         try:
             for spec in self._specs:
+                if spec.workers and spec.pool is None:
+                    spec.pool = Pool(spec.name, spec.fn, spec.workers, spec.call_timeout_s)
+                    self._opened.append(spec)
                 if spec.reward.build is not None and spec.scorer is None:
-                    spec.scorer = spec.reward.build(device, dist, **spec.options)
+                    extra = {"dtype": dtype} if _takes(spec.reward.build, "dtype") else {}
+                    spec.scorer = spec.reward.build(device, dist, **extra, **spec.options)
                     self._opened.append(spec)
                     if not callable(spec.scorer):
                         raise TypeError(
@@ -121,6 +158,10 @@ class Rewards:
         errors = []
         while self._opened:
             spec = self._opened.pop()
+            if spec.pool is not None:
+                pool, spec.pool = spec.pool, None
+                pool.close()
+                continue
             scorer, spec.scorer = spec.scorer, None
             try:
                 if spec.reward.close is not None:

@@ -8,11 +8,16 @@ per example (training, grpo-train's evaluation and grpo-eval all score through i
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from grpo_cli.calls import call_with_timeout
 
 from ._common import RewardError, preview
 from .base import RewardSpec
@@ -80,6 +85,35 @@ def _as_float(value: Any) -> float | None:
     return float(value)  # numpy / 0-d torch scalars
 
 
+def _hung(spec: RewardSpec, exc: BaseException) -> RewardError:
+    return RewardError(
+        f"reward {spec.name!r} did not return in time: {exc}. A reward that hangs (a server that never "
+        "answers, a verifier stuck on one input) would freeze the run, so it stops here. Fix the "
+        f"reward, or raise reward.{spec.name}.call_timeout_s if its calls are just slow."
+    )
+
+
+def _call(spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str]):
+    """One reward's call on the batch: its value list, or an awaitable (an async reward). In a
+    pool of worker processes, one call per completion (reward.<name>.workers); else in this
+    process, at most reward.<name>.call_timeout_s seconds when that is set."""
+    if spec.pool is not None:
+        return spec.pool(completions, [_row_kwargs(kwargs, data_keys, i) for i in range(len(completions))])
+    what = f"reward {spec.name!r}"
+    return call_with_timeout(spec.fn, (completions,), spec.call_timeout_s, what, "call_timeout_s", kwargs)
+
+
+async def _timed(awaitable, timeout_s: float | None):
+    tick = time.perf_counter()
+    value = await (asyncio.wait_for(awaitable, timeout_s) if timeout_s else awaitable)
+    return value, time.perf_counter() - tick
+
+
+def _add(stats: dict | None, key: str, value: float) -> None:
+    if stats is not None:
+        stats[key] = stats.get(key, 0.0) + value
+
+
 def score_rewards(
     specs: Sequence[RewardSpec],
     completions: list,
@@ -88,11 +122,17 @@ def score_rewards(
     completion_ids: list | None,
     columns: Mapping[str, list],
     env_reward: list | None = None,
+    stats: dict[str, float] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Call every reward once on the batch; return (weighted totals, raw values per reward).
 
     See the module docstring for the None rule. Any failure raises RewardError
-    naming the reward and, where it can be found, the completion at fault.
+    naming the reward and, where it can be found, the completion at fault. The async rewards
+    (a call that returns an awaitable) run together on the reward loop (rewards/aio.py), after the
+    synchronous ones have returned. A NaN from a reward declared nan_ok (a judge that failed under
+    on_error=nan) makes the completion's total NaN: its group is then left out of the loss.
+    `stats`, when given, gains per reward time/rewards/<name> (seconds), rewards/<name>/failures
+    (its NaNs) and the counters of its pop_metrics().
     """
     n = len(completions)
     if not specs:
@@ -109,7 +149,8 @@ def score_rewards(
     if env_reward is not None:  # an environment's episodes: its own reward, None where it gave none
         engine["env_reward"] = env_reward
     data_keys = [*columns, *engine]
-    per_reward: dict[str, list[float | None]] = {}
+    results: dict[str, Any] = {}
+    waiting: list[RewardSpec] = []
     for spec in specs:
         clash = sorted(set(spec.options) & set(columns))
         if clash:
@@ -118,10 +159,15 @@ def score_rewards(
                 "rename the option or the column"
             )
         kwargs = {**columns, **engine, **spec.options}
+        tick = time.perf_counter()
         try:
-            result = spec.fn(completions, **kwargs)
+            result = _call(spec, completions, kwargs, data_keys)
+        except TimeoutError as exc:
+            raise _hung(spec, exc) from None
         except Exception as exc:
-            where = _locate_failure(spec, completions, kwargs, data_keys, columns)
+            where = (
+                _locate_failure(spec, completions, kwargs, data_keys, columns) if spec.pool is None else ""
+            )
             if (
                 isinstance(exc, TypeError)
                 and "string indices" in str(exc)
@@ -134,6 +180,29 @@ def score_rewards(
                     "the string, or give chat prompts."
                 )
             raise RewardError(f"reward {spec.name!r} raised {type(exc).__name__}: {exc}.{where}") from exc
+        if inspect.isawaitable(result):
+            waiting.append(spec)
+            results[spec.name] = _timed(result, spec.call_timeout_s)
+        else:
+            _add(stats, f"time/rewards/{spec.name}", time.perf_counter() - tick)
+            results[spec.name] = result
+    if waiting:
+        from . import aio
+
+        for spec, outcome in zip(waiting, aio.gather([results[spec.name] for spec in waiting])):
+            if isinstance(outcome, TimeoutError):
+                raise _hung(spec, outcome) from None
+            if isinstance(outcome, RewardError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                raise RewardError(
+                    f"reward {spec.name!r} (async) raised {type(outcome).__name__}: {outcome}"
+                ) from outcome
+            results[spec.name], seconds = outcome
+            _add(stats, f"time/rewards/{spec.name}", seconds)
+    per_reward: dict[str, list[float | None]] = {}
+    for spec in specs:
+        result = results[spec.name]
         is_list_like = hasattr(result, "__len__") and hasattr(result, "__iter__")
         if isinstance(result, (str, bytes, Mapping)) or not is_list_like:
             raise RewardError(
@@ -156,13 +225,19 @@ def score_rewards(
                     f"(type {type(value).__name__}) for completion index {i}: {preview(completions[i])}"
                     f"{_row_columns(columns, i)}"
                 ) from None
-            if number is not None and not math.isfinite(number):
+            failed = number is not None and math.isnan(number) and spec.reward.nan_ok
+            if number is not None and not math.isfinite(number) and not failed:
                 raise RewardError(
                     f"reward {spec.name!r} returned {number!r} (not finite) for completion index {i}: "
                     f"{preview(completions[i])}{_row_columns(columns, i)}"
                 )
             column.append(number)
         per_reward[spec.name] = column
+        _add(stats, f"rewards/{spec.name}/failures", sum(v is not None and math.isnan(v) for v in column))
+        pop = getattr(spec.fn, "pop_metrics", None)
+        for key, value in (pop() if callable(pop) else {}).items():
+            if key != "failures":  # (counted above, as its NaNs)
+                _add(stats, f"rewards/{spec.name}/{key}", float(value))
 
     totals: list[float] = []
     for i in range(n):
@@ -196,7 +271,7 @@ def reward_metrics(per_reward: Mapping[str, Sequence[float | None]]) -> dict[str
     """
     metrics: dict[str, float] = {}
     for name, values in per_reward.items():
-        present = [float(v) for v in values if v is not None]
+        present = [float(v) for v in values if v is not None and not math.isnan(v)]  # (NaN: failed)
         if present:
             mean, std = statistics.fmean(present), statistics.pstdev(present)
         else:
@@ -282,9 +357,10 @@ def conversation(tokenizer, ids, roles) -> list[dict]:
     return messages
 
 
-def score_examples(rewards, tokenizer, examples: list[Example], rollout):
+def score_examples(rewards, tokenizer, examples: list[Example], rollout, stats: dict | None = None):
     """Rewards of a rollout.Rollout whose rows are its num_generations completions per example, in
-    order; returns (the completions' texts, weighted totals, values per reward)."""
+    order; returns (the completions' texts, weighted totals, values per reward). `stats`: as in
+    score_rewards."""
     num_generations = rollout.num_generations
     texts = decode_completions(tokenizer, rollout.completion_ids, rollout.attention_mask)
     columns: dict[str, list] = {}
@@ -312,5 +388,6 @@ def score_examples(rewards, tokenizer, examples: list[Example], rollout):
         completion_ids=completion_ids,
         columns=columns,
         env_reward=env_reward,
+        stats=stats,
     )
     return texts, total, per_reward
