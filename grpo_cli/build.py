@@ -145,7 +145,8 @@ def seed_everything(seed: int) -> None:
 
 def check_reward_columns(rewards: list[RewardSpec], rows: list[dict], data_cfg: DataConfig) -> None:
     """The correctness reward (accuracy's, or one of yours with that role) needs a gold answer per
-    prompt: check its column before any model loads."""
+    prompt, and a reward that declares the columns it reads (Reward.columns) needs them: check
+    before any model loads."""
     for spec in rewards:
         if spec.role != "correctness":
             continue
@@ -164,6 +165,18 @@ def check_reward_columns(rewards: list[RewardSpec], rows: list[dict], data_cfg: 
                     f"reward.{spec.name} needs the gold answer of each prompt, but a record of {where} has no "
                     f"{column!r} (prompt {prompt!r}); add its answer or remove that record."
                 )
+    for spec in rewards:  # the columns a reward reads (a judge's template: Reward.columns)
+        if spec.reward.columns is None or not rows:
+            continue
+        where = f"data.path={data_cfg.path!r}" if data_cfg.source != "arithmetic" else "the arithmetic data"
+        missing = [c for c in spec.reward.columns(spec.options) if not any(c in row for row in rows)]
+        if missing:
+            raise UserError(
+                f"reward.{spec.name} reads the column{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(repr, missing))}, which {where} does not have (columns: "
+                f"{', '.join(map(str, rows[0]))}). Name a column the data has (a judge's template: "
+                f"{{answer}} reads the column answer), or add the column to the data."
+            )
 
 
 def _model_kw(cfg: Config) -> dict[str, Any]:
@@ -458,7 +471,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
     )
     try:  # the rewards that have a build (a reward model) load here, once per process
-        rewards.open(device, d)
+        rewards.open(device, d, dtype=precision.frozen_dtype)
     except BaseException:
         sampler.close()
         raise

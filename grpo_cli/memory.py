@@ -250,20 +250,23 @@ class ModelShape:
         return sum(i * o for i, o in self.linear_layers)
 
 
-def model_shape(config) -> ModelShape:
+def model_shape(config, *, classifier: bool = False) -> ModelShape:
     """Exact parameter counts from the model built on the meta device (no memory, no weights).
+    classifier: the sequence classifier of that config (a reward model: a scoring head, no LM head).
 
     Counting the built modules, not a formula, keeps every architecture's biases, norms, tied heads
     and extra projections right; the linear layers are the ones PEFT's target_modules="all-linear"
     adapts: nn.Linear and transformers' Conv1D (GPT-2), bar the output head.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.pytorch_utils import Conv1D
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(
+                config
+            )
     except Exception as exc:  # an architecture without a causal-LM class, custom code, a bad config
         raise UserError(
             f"cannot build a causal LM from the {getattr(config, 'model_type', '?')!r} config: "
@@ -323,15 +326,28 @@ class MemoryEstimate:
     activations: int
     runtime: int
     gradient_checkpointing: bool = False
+    reward_model: int = 0  # a reward model's weights (reward=model), beside the policy's
 
     @property
     def total(self) -> int:
         return (
-            self.weights + self.gradients + self.optimizer + self.reference + self.activations + self.runtime
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.reference
+            + self.activations
+            + self.runtime
+            + self.reward_model
         )
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
+
+
+#: A reward model's scoring forward, in [tokens, width] tensors alive at once (the residual stream,
+#: a layer's input and output, its MLP's gate, up and product): an inference forward frees each
+#: layer's tensors as the next runs.
+REWARD_FORWARD_COPIES = 4
 
 
 def activation_bytes(precision: str) -> int:
@@ -405,6 +421,9 @@ def estimate(
     device_type: str = "cpu",
     gradient_checkpointing: bool = False,
     prompts_per_sampling_batch: int | None = None,
+    reward_model: ModelShape | None = None,
+    reward_batch_size: int = 8,
+    reward_max_length: int = 1024,
 ) -> MemoryEstimate:
     """Peak memory of training `shape` with `method`, counted as the trainer stores things.
 
@@ -422,6 +441,11 @@ def estimate(
       G completions; the trainer samples a whole step at once, default: one micro-batch). They do
       not coexist: the sampler's cache is freed before the training forward.
     runtime: CPU_RUNTIME_BYTES, or CUDA_RUNTIME_BYTES on a GPU.
+    reward_model: a reward model's shape (reward=model): its weights in the run's activation dtype
+      (rewards/model.py loads it in the trainer's precision) for the whole run, and its scoring
+      forward (reward_batch_size texts of prompt + completion tokens, at most reward_max_length;
+      no autograd: a layer's inputs and its MLP's, REWARD_FORWARD_COPIES of each) as a fourth
+      phase, after sampling and before the training forward.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
@@ -458,15 +482,24 @@ def estimate(
         prompt_length=prompt_length,
         completion_length=completion_length,
     )
+    scoring, reward_weights = 0, 0
+    if reward_model is not None:
+        act = activation_bytes(precision)
+        reward_weights = act * reward_model.total_params
+        tokens = reward_batch_size * min(reward_max_length, prompt_length + completion_length)
+        scoring = (
+            REWARD_FORWARD_COPIES * act * tokens * (reward_model.hidden_size + reward_model.intermediate_size)
+        )
     return MemoryEstimate(
         method=method,
         weights=weights,
         gradients=FP32_BYTES * trainable,
         optimizer=ADAMW_STATE_BYTES * trainable,
         reference=reference,
-        activations=max(int(training * (1 + ALLOCATOR_SLACK.get(device_type, 0.0))), sampling),
+        activations=max(int(training * (1 + ALLOCATOR_SLACK.get(device_type, 0.0))), sampling, scoring),
         runtime=_runtime_bytes(device_type),
         gradient_checkpointing=gradient_checkpointing,
+        reward_model=reward_weights,
     )
 
 

@@ -38,6 +38,12 @@ class Precision:
     use_grad_scaler: bool
     weights_dtype: torch.dtype | None = None  # bf16: the model's weights are stored in it
 
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        """The dtype a frozen helper model (a reward model) is stored and run in: the half
+        precision the run computes in, else fp32."""
+        return self.weights_dtype or self.autocast_dtype or torch.float32
+
 
 def resolve_device(name: str) -> torch.device:
     import torch

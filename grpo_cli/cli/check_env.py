@@ -191,6 +191,30 @@ def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _reward_model(cfg) -> dict[str, Any]:
+    """memory.estimate's reward-model arguments for a config with a reward model (reward=model, or
+    its declaration under another name), else none."""
+    from grpo_cli import memory
+    from grpo_cli.rewards import REGISTRY, resolve_reward
+
+    for name, node in (cfg.reward or {}).items():
+        fn = node.get("fn") if hasattr(node, "get") else None
+        try:
+            declared = resolve_reward(str(name), fn)
+        except Exception:  # noqa: BLE001 - a bad reward is grpo-train's error to report, not the estimate's
+            continue
+        if declared.build is REGISTRY["model"].build and node.get("name_or_path"):
+            options = REGISTRY["model"].options
+            return dict(
+                reward_model=memory.model_shape(
+                    memory.resolve_model_config(str(node.get("name_or_path"))), classifier=True
+                ),
+                reward_batch_size=int(node.get("batch_size") or options.batch_size),
+                reward_max_length=int(node.get("max_length") or options.max_length),
+            )
+    return {}
+
+
 def memory_estimate(
     model: str,
     overrides: list[str],
@@ -217,9 +241,10 @@ def memory_estimate(
     lora_r = int(cfg.adapter.r) if lora_r is None else lora_r  # adapter.r (16) unless --lora-r says
     shape = memory.model_shape(memory.resolve_model_config(model))
     sampling = settings.pop("prompts_per_step")
+    scorer = _reward_model(cfg)  # reward=model: its shape and batch, counted beside the policy
     estimates = {
         method: memory.estimate(
-            shape, method=method, lora_r=lora_r, prompts_per_sampling_batch=sampling, **settings
+            shape, method=method, lora_r=lora_r, prompts_per_sampling_batch=sampling, **settings, **scorer
         )
         for method in memory.METHODS
     }
@@ -278,6 +303,9 @@ def format_estimate(est: dict[str, Any]) -> str:
         f"  parameters       {p['total']:,} total; LoRA r={s['lora_r']}: {p['lora_adapters']:,} adapter "
         f"parameters on {p['linear']:,} in linear layers",
     ]
+    reward_model = next(iter(est["methods"].values()))["reward_model"]
+    if reward_model:
+        lines.append(f"  reward model     {gib(reward_model)} GiB of weights, counted in weights and total")
     columns = ("weights", "gradients", "optimizer", "reference", "activations", "runtime", "total")
     header = (
         "method",
@@ -293,7 +321,8 @@ def format_estimate(est: dict[str, Any]) -> str:
     rows = []
     for method, m in est["methods"].items():
         fit = "n/a (CUDA only)" if not m["usable"] else {True: "yes", False: "no", None: "?"}[m["fits"]]
-        rows.append((method, *(gib(m[c]) for c in columns), fit))
+        shown = {**m, "weights": m["weights"] + m["reward_model"]}  # (a reward model's, beside the policy's)
+        rows.append((method, *(gib(shown[c]) for c in columns), fit))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         cells = [

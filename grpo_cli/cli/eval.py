@@ -81,7 +81,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
     )
     try:
-        rewards.open(device)
+        rewards.open(device, dtype=precision.frozen_dtype)
         judge = correctness(rewards)
         torch.manual_seed(t.seed)
 
