@@ -276,3 +276,74 @@ def test_the_memory_estimate_counts_the_reward_model(reward_model):
     params = AutoModelForSequenceClassification.from_pretrained(reward_model).num_parameters()
     assert without["reward_model"] == 0 and full["reward_model"] == 4 * params  # fp32 weights
     assert full["total"] >= without["total"] + full["reward_model"]
+
+
+JUDGED = (
+    "reward=[accuracy,judge]",
+    "reward.judge.model=judge",
+    "reward.judge.template='{completion}'",
+    "reward.judge.on_error=nan",
+    "reward.judge.retries=0",
+    "trainer.prompts_per_step=2",
+    "trainer.max_steps=2",
+    "trainer.eval_before=false",
+    "data.eval_size=0",
+)
+
+
+def test_grpo_train_with_a_judge_that_fails_once_masks_that_group_and_counts_it(tmp_path):
+    """A judge served by a real HTTP server (the test's own) in a training run: its first call
+    gets a 500, which under on_error=nan masks that completion's group (rewards/failed_groups)
+    and is counted; every completion is one call; the run trains on."""
+    from judge_server import JudgeServer
+
+    with JudgeServer(
+        reply=lambda request: str(len(request["messages"][-1]["content"]) % 11), plan=["500"]
+    ) as server:
+        run = tmp_path / "run"
+        res = grpo([*tiny(*JUDGED, f"reward.judge.base_url={server.url}"), f"hydra.run.dir={run}"], tmp_path)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward" in r]
+    assert [r["rewards/judge/calls"] for r in rows] == [8, 8] and server.count == 16
+    assert [r["rewards/judge/failures"] for r in rows] == [1, 0]
+    assert [r["rewards/failed_groups"] for r in rows] == [1, 0]
+    assert all(r["time/rewards/judge"] > 0 and r["reward"] == r["reward"] for r in rows)
+
+
+def test_a_judge_template_naming_a_column_the_data_lacks_stops_before_the_model_loads(tmp_path):
+    res = grpo(
+        tiny(
+            *JUDGED,
+            "reward.judge.base_url=http://127.0.0.1:9/v1",
+            "reward.judge.template='{prompt} against {gold}'",
+        ),
+        tmp_path,
+    )
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "reward.judge reads the column 'gold'" in res.stderr and "Loading" not in res.stderr
+
+
+def test_grpo_reward_test_scores_with_a_judge_and_counts_its_calls(tmp_path):
+    from judge_server import JudgeServer
+
+    with JudgeServer(reply=lambda request: "Score: 8", plan=["429"]) as server:
+        res = run_cli(
+            [
+                console_script("grpo-reward-test"),
+                "reward=judge",
+                f"reward.judge.base_url={server.url}",
+                "reward.judge.model=judge",
+                "-c",
+                "12",
+                "-c",
+                "13",
+                "--prompt",
+                "What is 5 + 7?",
+            ],
+            tmp_path,
+            env={"COLUMNS": "200"},
+        )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "judge (x1)" in res.stdout and "0.8 " in res.stdout
+    assert "judge/calls 2" in res.stdout and "judge/retries 1" in res.stdout

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""What a reward model costs on the default recipe: the rewards' time per step and the run's peak
+memory, with and without a reward model, side by side.
+
+    .venv/bin/python scripts/bench_reward_model.py --reward-model DIR --out docs/bench_reward_model.json
+
+Each arm is a fresh grpo-train process (the default recipe: SmolLM2-135M-Instruct, 4 prompts x 8
+completions per step, reward=[accuracy,format]) of --steps steps, the arms alternating, --repeats
+times each. The "model" arm adds reward=model with DIR (e.g. one made by
+grpo_cli.rewards.model.from_causal_lm from SmolLM2 itself: a 135M-parameter sequence classifier) at
+weight 0, so both arms sample and train the same completions and differ only in the scoring. Per
+arm: the median over steps of time/reward (the step's scoring) and of time/rewards/<name>, the
+median step time, and the process's peak resident memory (getrusage's ru_maxrss). Prints a table
+and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("plain", "model")
+
+
+def child(argv: list[str]) -> None:
+    """grpo-train in this process, then its peak RSS (bytes) on the last line."""
+    from grpo_cli.cli.train import main
+
+    sys.argv = ["grpo-train", *argv]
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code:
+            raise
+    print(f"PEAK_RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")
+
+
+def run(arm: str, args, folder: Path) -> dict:
+    overrides = [
+        f"trainer.max_steps={args.steps}",
+        "trainer.eval_before=false",
+        "data.eval_size=0",
+        "trainer.save_steps=1000",
+        "trainer.quiet=true",
+        f"hydra.run.dir={folder}",
+    ]
+    if arm == "model":
+        overrides += [
+            "reward=[accuracy,format,model]",
+            f"reward.model.name_or_path={args.reward_model}",
+            "reward.model.weight=0.0",
+        ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(
+        [sys.executable, __file__, "--child", *overrides], capture_output=True, text=True, env=env
+    )
+    if res.returncode:
+        raise SystemExit(f"{arm} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    peak = int(res.stdout.strip().splitlines()[-1].split()[1])
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward" in r]
+    out = {
+        "peak_rss_bytes": peak,
+        "step_time_s": statistics.median(r["step_time"] for r in rows),
+        "reward_time_s": statistics.median(r["time/reward"] for r in rows),
+        "steps": len(rows),
+    }
+    for key in sorted({k for r in rows for k in r if k.startswith("time/rewards/")}):
+        out[key] = statistics.median(r[key] for r in rows)
+    if arm == "model":
+        out["model_score_mean"] = statistics.fmean(r["rewards/model/mean"] for r in rows)
+    return out
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2:])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reward-model", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_reward_model.json")
+    args = p.parse_args()
+    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for arm in ARMS:
+                results[arm].append(run(arm, args, Path(tmp) / f"{arm}-{repeat}"))
+                print(arm, repeat, results[arm][-1], flush=True)
+
+    def med(arm, key):
+        return statistics.median(r[key] for r in results[arm])
+
+    print(f"\ndefault recipe, {args.steps} steps per run, {args.repeats} runs per arm (medians)")
+    print(f"{'arm':<6} {'step s':>7} {'reward s':>9} {'model s':>8} {'peak RSS MiB':>13}")
+    for arm in ARMS:
+        model_s = med(arm, "time/rewards/model") if arm == "model" else float("nan")
+        print(
+            f"{arm:<6} {med(arm, 'step_time_s'):>7.2f} {med(arm, 'reward_time_s'):>9.3f} {model_s:>8.3f} "
+            f"{med(arm, 'peak_rss_bytes') / 2**20:>13.0f}"
+        )
+    ratio = med("model", "peak_rss_bytes") / med("plain", "peak_rss_bytes")
+    print(f"peak memory with the reward model / without: {ratio:.2f}")
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": platform.machine(),
+                "processor": platform.processor(),
+                "reward_model": str(args.reward_model),
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "runs": results,
+                "peak_ratio": ratio,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
