@@ -42,6 +42,8 @@ class Precision:
     def frozen_dtype(self) -> torch.dtype:
         """The dtype a frozen helper model (a reward model) is stored and run in: the half
         precision the run computes in, else fp32."""
+        import torch
+
         return self.weights_dtype or self.autocast_dtype or torch.float32
 
 

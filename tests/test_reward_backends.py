@@ -69,12 +69,21 @@ def test_the_reward_model_scores_batches_as_a_plain_forward_of_each_text(reward_
     assert len(set(round(v, 6) for v in expected)) == len(expected)  # (the texts do score apart)
 
 
-def test_the_reward_model_is_frozen_in_the_trainers_dtype_and_freed_at_the_end(reward_model):
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_reward_model_is_frozen_in_the_trainers_dtype_and_freed_at_the_end(
+    reward_model, precision, dtype
+):
+    from grpo_cli.precision import Precision, resolve_precision
+
+    try:
+        trainer = resolve_precision(precision, torch.device("cpu"))
+    except Exception:  # (a CPU without bf16 refuses trainer.precision=bf16)
+        trainer = Precision("bf16", None, False, weights_dtype=torch.bfloat16)
     specs = build_rewards({"model": {"name_or_path": str(reward_model)}})
-    with specs.open("cpu", dtype=torch.bfloat16):
+    with specs.open("cpu", dtype=trainer.frozen_dtype):
         scorer = specs[0].fn
         params = list(scorer.model.parameters())
-        assert {p.dtype for p in params} == {torch.bfloat16} and not any(p.requires_grad for p in params)
+        assert {p.dtype for p in params} == {dtype} and not any(p.requires_grad for p in params)
         assert not scorer.model.training
         assert all(isinstance(v, float) for v in scorer(["12"], prompts=["1+1"]))
     assert scorer.model is None and specs[0].scorer is None
