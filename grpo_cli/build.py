@@ -493,7 +493,12 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         resumed_from=resume_from,
         scorer=wrap_scorer(
             TokenLogprobs(
-                policy, temperature=s.temperature, shared_prompt=fast_paths, top_k=s.top_k, top_p=s.top_p
+                policy,
+                temperature=s.temperature,
+                shared_prompt=fast_paths,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                chunk_size=t.logprob_chunk_size,
             ),
             d,
             device,

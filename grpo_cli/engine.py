@@ -140,7 +140,13 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             tick, ref_logps = time.perf_counter(), None
             if parts.ref is not None:
                 ref_logps = phases.reference_logprobs(
-                    parts.ref, batch, plan, temperature=s.temperature, precision=precision, shared_prompt=fast
+                    parts.ref,
+                    batch,
+                    plan,
+                    temperature=s.temperature,
+                    precision=precision,
+                    shared_prompt=fast,
+                    chunk_size=t.logprob_chunk_size,
                 )
             reference_seconds = time.perf_counter() - tick
 

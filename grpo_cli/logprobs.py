@@ -1,10 +1,18 @@
 """Per-token log-probs of completion tokens: the one place the causal shift, padding and
 temperature are handled (ref 000.2, 000.3, 000.4).
+
+Two paths to the same numbers. Chunked (trainer.logprob_chunk_size > 0 or null): the forward
+stops at the final hidden states [B, C, H], and the output layer runs on chunks of tokens, each
+chunk's logits [n, V] taken to log-probs and freed before the next; the backward recomputes a
+chunk's logits instead of keeping them (torch.utils.checkpoint), so no [B, C, V] tensor is ever
+alive. With logprob_chunk_size=0 (the default), the model's own logits [B, C, V].
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -155,6 +163,152 @@ def token_scores(
     )
 
 
+#: logprob_chunk_size=None (auto): tokens per chunk such that one chunk's fp32 logits are about
+#: this many bytes (SmolLM2's 49,152-token vocabulary: 341 tokens; Qwen2.5's 151,936: 110).
+AUTO_CHUNK_BYTES = 64 * 2**20
+
+
+def chunk_tokens(chunk_size: int | None, vocab_size: int) -> int:
+    """Tokens per chunk: chunk_size, or for None (auto) AUTO_CHUNK_BYTES of fp32 logits."""
+    return chunk_size if chunk_size else max(16, AUTO_CHUNK_BYTES // (4 * vocab_size))
+
+
+class _HiddenOut(torch.nn.Module):
+    """Stands in for the output layer during a chunked forward: the final hidden states pass
+    through (the model returns them where it returned logits)."""
+
+    def forward(self, hidden):
+        return hidden
+
+
+class OutputLayer(NamedTuple):
+    """What turns final hidden states into logits: the output layer (a LoRA-wrapped one as it
+    is) and the model's logit soft-capping (Gemma2's final_logit_softcapping; None: none)."""
+
+    head: torch.nn.Module
+    softcap: float | None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _softcap_config(model):
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text if getattr(text, "final_logit_softcapping", None) else config
+
+
+@contextlib.contextmanager
+def hidden_states_out(model):
+    """Within the block the model's forward returns its final hidden states where it returned
+    logits (its output layer replaced by _HiddenOut, its soft-capping off); yields the
+    OutputLayer that makes them logits. Restored on exit, however the block ends."""
+    m = forward_model(model)
+    head = m.get_output_embeddings()
+    config = _softcap_config(m)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    m.set_output_embeddings(_HiddenOut())
+    if softcap:
+        config.final_logit_softcapping = None
+    try:
+        yield OutputLayer(head, softcap)
+    finally:
+        m.set_output_embeddings(head)
+        if softcap:
+            config.final_logit_softcapping = softcap
+
+
+_CHUNKABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> chunkable
+
+
+def chunkable(model) -> bool:
+    """Whether the chunked path gives this model's logits: checked once per model on a short
+    input, the model's own logits against OutputLayer.logits of its hidden states (an
+    architecture that scales or biases its logits some other way keeps the plain path)."""
+    key = forward_model(model)
+    if key not in _CHUNKABLE:
+        m = forward_model(model)
+        head = m.get_output_embeddings()
+        ok = isinstance(getattr(head, "weight", None), torch.Tensor) and not _sharded(head)
+        if ok:
+            ids = torch.tensor([[1, 2, 3]], device=head.weight.device)
+            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            with torch.no_grad():
+                plain = model_logits(model, **kw).float()
+                with hidden_states_out(model) as out:
+                    hidden = model_logits(model, **kw)
+                    chunked = out.logits(hidden).float()
+            ok = plain.shape == chunked.shape and torch.allclose(plain, chunked, rtol=1e-3, atol=1e-3)
+        _CHUNKABLE[key] = ok
+    return _CHUNKABLE[key]
+
+
+def _sharded(module) -> bool:
+    return any(hasattr(p, "to_local") for p in module.parameters())
+
+
+def _chunk_scores(out: OutputLayer, hidden, targets, temperature, with_entropy, top_k, top_p):
+    """One chunk: hidden [n, H], targets [n] -> (logps [n], entropy [n] or None, behaviour [n]).
+    Its logits [n, V] live only inside (recomputed in the backward: chunked_scores)."""
+    logits = out.logits(hidden).float()  # [n, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
+    logps = picked - torch.logsumexp(logits, dim=-1)
+    entropy = behaviour = None
+    with torch.no_grad():
+        row = logits.detach()
+        if with_entropy:
+            logp = F.log_softmax(row, dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+        if truncates(top_k, top_p):
+            kept = filter_logits(row, top_k, top_p)
+            kept = kept.scatter(-1, targets.unsqueeze(-1), picked.detach().unsqueeze(-1))
+            behaviour = picked.detach() - torch.logsumexp(kept, dim=-1)
+    return logps, entropy, behaviour
+
+
+def chunked_scores(
+    out: OutputLayer,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    chunk: int,
+    with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> TokenScores:
+    """TokenScores of targets [B, T] from final hidden states [B, T, H], `chunk` tokens at a time:
+    the same numbers as token_scores on the whole logits, with at most one chunk's [chunk, V]
+    logits alive (plus, in the backward, one chunk's recomputed logits and their gradient)."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, T, H = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(B * T, H), targets.reshape(B * T)
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    logps, entropies, behaviours = [], [], []
+    for start in range(0, B * T, chunk):
+        args = (out, flat_hidden[start : start + chunk], flat_targets[start : start + chunk])
+        rest = (temperature, with_entropy, top_k, top_p)
+        if grad:
+            lp, ent, beh = checkpoint(_chunk_scores, *args, *rest, use_reentrant=False)
+        else:
+            lp, ent, beh = _chunk_scores(*args, *rest)
+        logps.append(lp)
+        entropies.append(ent)
+        behaviours.append(beh)
+    logps = torch.cat(logps).view(B, T)
+    return TokenScores(
+        logps,
+        torch.cat(entropies).view(B, T) if with_entropy else None,
+        torch.cat(behaviours).view(B, T) if truncates(top_k, top_p) else logps.detach(),
+    )
+
+
 def padding_bounds(prompt_mask: torch.Tensor, attention_mask: torch.Tensor) -> tuple[int, int]:
     """(first prompt column holding a real token in some row, completion columns up to the last
     attended one of any row): the columns outside are padding in every row, no work to spend on.
@@ -175,7 +329,8 @@ def _forward_logits(
     shared_prompt: bool = True,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Logits [B, C, V] that score the C completion tokens, divided by the temperature (ref
+    """(Within hidden_states_out: the final hidden states [B, C, H] at those positions, and the
+    temperature is the caller's.) Logits [B, C, V] that score the C completion tokens, divided by the temperature (ref
     000.4): logits at position t score token t+1 (ref 000.2), so they are the ones from the last
     prompt position to the second-to-last completion position; only those are materialised.
     attention_mask [B, C]: the completion-side tokens the model sees (rollout.Rollout: it may have
@@ -232,6 +387,45 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
+def score_tokens(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float,
+    num_generations: int = 1,
+    shared_prompt: bool = True,
+    with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    chunk_size: int | None = 0,
+) -> TokenScores:
+    """TokenScores of the completion tokens: the chunked path (chunk_size tokens at a time; None:
+    auto, chunk_tokens) where the model's logits are its output layer's (chunkable), else, and
+    with chunk_size=0, the model's own logits [B, C, V] (_forward_logits)."""
+    args = (model, prompt_ids, prompt_mask, completion_ids, attention_mask, num_generations, shared_prompt)
+    if chunk_size != 0 and chunkable(model):
+        with hidden_states_out(model) as out:
+            hidden = _forward_logits(*args, 1.0)  # [B, C, H]
+        vocab = out.head.weight.shape[0]
+        return chunked_scores(
+            out,
+            hidden,
+            completion_ids,
+            temperature=temperature,
+            chunk=chunk_tokens(chunk_size, vocab),
+            with_entropy=with_entropy,
+            top_k=top_k,
+            top_p=top_p,
+        )
+    logits = _forward_logits(*args, temperature)  # [B, C, V], tempered
+    return token_scores(
+        logits, completion_ids, temperature=1.0, with_entropy=with_entropy, top_k=top_k, top_p=top_p
+    )
+
+
 def token_logprobs(
     model,
     prompt_ids: torch.Tensor,
@@ -243,6 +437,7 @@ def token_logprobs(
     num_generations: int = 1,
     with_entropy: bool = False,
     shared_prompt: bool = True,
+    chunk_size: int | None = 0,
 ):
     """Log-probs of each completion token under softmax(logits / temperature), the distribution
     the sampler drew from before any truncation (ref 000.4).
@@ -251,19 +446,20 @@ def token_logprobs(
     right-padded (rollout.Rollout). Returns logps [B, C] (and entropy [B, C]); positions outside
     the caller's trained-token mask hold values no one should read.
     num_generations: the rows' group size (one prompt per G consecutive rows); shared_prompt: run
-    a group's prompt once and share its KV cache (see _forward_logits).
+    a group's prompt once and share its KV cache (see _forward_logits); chunk_size: score_tokens.
     """
-    logits = _forward_logits(
+    scores = score_tokens(
         model,
         prompt_ids,
         prompt_mask,
         completion_ids,
         attention_mask,
-        num_generations,
-        shared_prompt,
-        temperature,
-    )  # [B, C, V], tempered
-    scores = token_scores(logits, completion_ids, temperature=1.0, with_entropy=with_entropy)
+        temperature=temperature,
+        num_generations=num_generations,
+        shared_prompt=shared_prompt,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )
     return (scores.logps, scores.entropy) if with_entropy else scores.logps
 
 
@@ -273,29 +469,35 @@ class TokenLogprobs(torch.nn.Module):
     forward. A module so that DistributedDataParallel can wrap it: DDP's forward arms the gradient
     all-reduce that the backward then runs (distributed.wrap_scorer); one process runs it as is."""
 
-    def __init__(self, model, *, temperature: float, shared_prompt: bool, top_k: int = 0, top_p: float = 1.0):
+    def __init__(
+        self,
+        model,
+        *,
+        temperature: float,
+        shared_prompt: bool,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        chunk_size: int | None = 0,
+    ):
         super().__init__()
         self.model = model
         self.temperature = temperature
         self.shared_prompt = shared_prompt
         self.top_k, self.top_p = top_k, top_p
+        self.chunk_size = chunk_size
 
     def forward(self, prompt_ids, prompt_mask, completion_ids, attention_mask, num_generations: int = 1):
-        logits = _forward_logits(
+        return score_tokens(
             self.model,
             prompt_ids,
             prompt_mask,
             completion_ids,
             attention_mask,
-            num_generations,
-            self.shared_prompt,
-            self.temperature,
-        )  # [b, C, V], tempered
-        return token_scores(
-            logits,
-            completion_ids,
-            temperature=1.0,
+            temperature=self.temperature,
+            num_generations=num_generations,
+            shared_prompt=self.shared_prompt,
             with_entropy=True,
             top_k=self.top_k,
             top_p=self.top_p,
+            chunk_size=self.chunk_size,
         )  # TokenScores: [b, C] each

@@ -360,9 +360,15 @@ def _layer_activation_bytes_per_token(shape: ModelShape, act_bytes: int) -> int:
     return act_bytes * (C_H * shape.hidden_size + C_I * shape.intermediate_size)
 
 
-def _logits_bytes(rows: int, completion_length: int, vocab_size: int) -> int:
-    """The fp32 completion logits of a micro-batch, LOGITS_COPIES times (logits, tempered, grad)."""
-    return rows * completion_length * vocab_size * FP32_BYTES * LOGITS_COPIES
+def _logits_bytes(rows: int, completion_length: int, vocab_size: int, chunk_size: int | None = 0) -> int:
+    """The fp32 completion logits of a micro-batch, LOGITS_COPIES times (logits, tempered, grad);
+    chunked (trainer.logprob_chunk_size, logprobs.chunk_tokens; None: auto) one chunk's only."""
+    tokens = rows * completion_length
+    if chunk_size != 0:
+        from grpo_cli.logprobs import chunk_tokens
+
+        tokens = min(tokens, chunk_tokens(chunk_size, vocab_size))
+    return tokens * vocab_size * FP32_BYTES * LOGITS_COPIES
 
 
 def _runtime_bytes(device_type: str) -> int:
@@ -378,8 +384,10 @@ def training_activations(
     prompt_length: int,
     completion_length: int,
     gradient_checkpointing: bool,
+    logprob_chunk_size: int | None = 0,
 ) -> int:
-    """Activations of one micro-batch's training forward, kept for its backward.
+    """Activations of one micro-batch's training forward, kept for its backward (and its logits:
+    _logits_bytes).
 
     Each prompt runs once and its KV cache is shared by its G completions, so the tokens are
     P*prompt + P*G*completion. With gradient checkpointing the trainer runs every row in full
@@ -396,7 +404,7 @@ def training_activations(
     else:
         layers = shape.num_layers * full_layer
     rows = prompts_per_micro_batch * num_generations
-    return layers + _logits_bytes(rows, completion_length, shape.vocab_size)
+    return layers + _logits_bytes(rows, completion_length, shape.vocab_size, logprob_chunk_size)
 
 
 def sampling_kv_cache(
@@ -424,6 +432,7 @@ def estimate(
     reward_model: ModelShape | None = None,
     reward_batch_size: int = 8,
     reward_max_length: int = 1024,
+    logprob_chunk_size: int | None = 0,
 ) -> MemoryEstimate:
     """Peak memory of training `shape` with `method`, counted as the trainer stores things.
 
@@ -474,6 +483,7 @@ def estimate(
         prompt_length=prompt_length,
         completion_length=completion_length,
         gradient_checkpointing=gradient_checkpointing,
+        logprob_chunk_size=logprob_chunk_size,
     )
     sampling = sampling_kv_cache(
         shape,

@@ -377,7 +377,14 @@ def micro_batches(
 
 
 def reference_logprobs(
-    ref, batch: Batch, plan: MicroBatches, *, temperature: float, precision: Precision, shared_prompt: bool
+    ref,
+    batch: Batch,
+    plan: MicroBatches,
+    *,
+    temperature: float,
+    precision: Precision,
+    shared_prompt: bool,
+    chunk_size: int | None = 0,
 ) -> torch.Tensor:
     """The reference model's log-probs [N, C] of the batch's completions, micro-batch by
     micro-batch (with LoRA the reference is the policy with its adapters disabled)."""
@@ -399,6 +406,7 @@ def reference_logprobs(
                 temperature=temperature,
                 num_generations=mb.num_generations,
                 shared_prompt=shared_prompt,
+                chunk_size=chunk_size,
             ).float()
     return ref_logps.clone()  # leave inference mode: usable in autograd
 

@@ -65,7 +65,11 @@ def worker(args) -> None:
         torch.ones(G, C, dtype=torch.long),
     )
     new_api = "num_generations" in lp.TokenLogprobs.forward.__code__.co_varnames
-    scorer = lp.TokenLogprobs(model, temperature=0.7, shared_prompt=True)
+    chunk = None if args.chunk == "auto" else int(args.chunk)
+    if "chunk_size" in lp.TokenLogprobs.__init__.__code__.co_varnames:
+        scorer = lp.TokenLogprobs(model, temperature=0.7, shared_prompt=True, chunk_size=chunk)
+    else:  # a revision before the chunked path
+        scorer = lp.TokenLogprobs(model, temperature=0.7, shared_prompt=True)
 
     def phase() -> tuple[float, float, int]:
         tick = time.perf_counter()
@@ -86,6 +90,7 @@ def worker(args) -> None:
         json.dumps(
             {
                 "tree": args.tree_name,
+                "chunk": args.chunk,
                 "model": args.model,
                 "precision": args.precision,
                 "rows": G,
@@ -129,6 +134,13 @@ def main() -> None:
     parser.add_argument("--baseline", help="a git revision to measure beside this tree (e.g. HEAD~1)")
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per case, alternating trees")
     parser.add_argument("--json", default=str(ROOT / "docs" / "bench_logprob_memory.json"))
+    parser.add_argument(
+        "--chunks",
+        nargs="+",
+        default=["0", "auto"],
+        help="trainer.logprob_chunk_size values to compare (0: the whole logits; auto: the default)",
+    )
+    parser.add_argument("--chunk", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree-name", default="this", help=argparse.SUPPRESS)
     parser.add_argument("--precision", help=argparse.SUPPRESS)
@@ -144,7 +156,7 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             for precision in args.precisions:
-                for name, tree in trees:
+                for name, tree, chunk in [(n, t, c) for n, t in trees for c in args.chunks]:
                     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
                     if tree is not None:
                         env["PYTHONPATH"] = str(tree)
@@ -164,7 +176,7 @@ def main() -> None:
                         "--threads",
                         str(args.threads),
                     ]
-                    cmd += ["--tree-name", name]
+                    cmd += ["--tree-name", name, "--chunk", chunk]
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree or ROOT)
                     if proc.returncode:
                         raise SystemExit(f"{name} {precision}: the worker failed:\n{proc.stderr[-3000:]}")
@@ -178,12 +190,14 @@ def main() -> None:
         f"{args.model}, {args.rows} x ({args.prompt_tokens} prompt + {args.completion_tokens} completion) tokens"
     )
     print(
-        f"{'tree':<12}{'precision':<10}{'logits MiB':>11}{'phase peak MiB':>16}{'fwd s':>8}{'fwd+bwd s':>11}"
+        f"{'tree':<12}{'chunk':<7}{'precision':<10}{'logits MiB':>11}{'fwd peak MiB':>14}"
+        f"{'phase peak MiB':>16}{'fwd s':>8}{'fwd+bwd s':>11}"
     )
     for r in rows:
         print(
-            f"{r['tree']:<12}{r['precision']:<10}{r['logits_mib']:>11.0f}{r['phase_peak_mib']:>16.0f}"
-            f"{r['forward_s']:>8.2f}{r['forward_backward_s']:>11.2f}"
+            f"{r['tree']:<12}{r.get('chunk', '-'):<7}{r['precision']:<10}{r['logits_mib']:>11.0f}"
+            f"{r['forward_peak_mib']:>14.0f}{r['phase_peak_mib']:>16.0f}{r['forward_s']:>8.2f}"
+            f"{r['forward_backward_s']:>11.2f}"
         )
     out = {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "rows": rows}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

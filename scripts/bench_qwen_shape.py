@@ -81,7 +81,7 @@ def build(folder: Path, shape: str = "qwen0.5b") -> Path:
     return folder
 
 
-def run(folder: Path, beta: float, steps: int, out: Path) -> dict:
+def run(folder: Path, beta: float, steps: int, out: Path, extra: list[str] = ()) -> dict:
     """grpo-train on the folder in a fresh process; its metrics and peak RSS."""
     code = (
         "import resource, sys; from grpo_cli.cli.train import main; sys.argv[0] = 'grpo-train'\n"
@@ -102,6 +102,7 @@ def run(folder: Path, beta: float, steps: int, out: Path) -> dict:
         f"loss.beta={beta}",
         "optimizer.learning_rate=1e-6",
         f"hydra.run.dir={out}",
+        *extra,
     ]
     start = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
@@ -121,6 +122,7 @@ def run(folder: Path, beta: float, steps: int, out: Path) -> dict:
     }
     return {
         "beta": beta,
+        "overrides": list(extra),
         "steps": len(rows),
         "first_step_s": rows[0]["step_time"],
         "median_step_s": med["step_time"],
@@ -138,6 +140,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per run (the first is warm-up)")
     parser.add_argument("--betas", default="0,0.04", help="comma-separated loss.beta values")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--chunks",
+        default="auto",
+        help="comma-separated trainer.logprob_chunk_size values, each a run (0: the whole logits; auto)",
+    )
+    parser.add_argument("--precisions", default="fp32", help="comma-separated trainer.precision values")
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=0,
+        help="one prompt of this many completions of --completion-tokens tokens each, EOS ignored "
+        "(0: the default recipe's 4 prompts x 8 x up to 16)",
+    )
+    parser.add_argument("--completion-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per arm, the arms alternating")
     args = parser.parse_args()
     import torch
 
@@ -145,19 +162,46 @@ def main() -> None:
         t0 = time.perf_counter()
         folder = build(Path(tmp) / "qwen0.5b-shape")
         build_s = time.perf_counter() - t0
-        results = [run(folder, float(b), args.steps, Path(tmp) / f"run-{b}") for b in args.betas.split(",")]
+        shape = []
+        if args.group:
+            shape = [
+                "trainer.prompts_per_step=1",
+                f"sampler.num_generations={args.group}",
+                f"sampler.max_new_tokens={args.completion_tokens}",
+                "sampler.ignore_eos=true",
+            ]
+        results = []
+        for repeat in range(args.repeats):
+            for b in args.betas.split(","):
+                for precision in args.precisions.split(","):
+                    for chunk in args.chunks.split(","):
+                        extra = [
+                            *shape,
+                            f"trainer.precision={precision}",
+                            f"trainer.logprob_chunk_size={'null' if chunk == 'auto' else chunk}",
+                        ]
+                        name = f"run-{b}-{precision}-{chunk}-{repeat}"
+                        results.append(run(folder, float(b), args.steps, Path(tmp) / name, extra))
+                        print(
+                            results[-1]["overrides"],
+                            results[-1]["median_step_s"],
+                            results[-1]["peak_rss_gb"],
+                            flush=True,
+                        )
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
     print(
         f"Qwen2.5-0.5B-shaped random-init model (494M parameters), fp32 CPU, {machine}; built in {build_s:.0f} s"
     )
     print(
-        f"{'beta':>5} {'step s (median)':>16} {'rollout':>8} {'reference':>9} {'policy':>7} {'optimizer':>9} "
+        f"{'beta':>5} {'precision':>9} {'chunk':>5} {'step s (median)':>16} {'rollout':>8} {'reference':>9} "
+        f"{'policy':>7} {'optimizer':>9} "
         f"{'tok/s':>6} {'peak RSS GB':>11} {'self-check':>10}"
     )
     for r in results:
         p = r["phases_s"]
         print(
-            f"{r['beta']:>5g} {r['median_step_s']:>16.1f} {p['rollout']:>8.1f} {p['reference']:>9.1f} "
+            f"{r['beta']:>5g} {r['overrides'][-2].split('=')[1]:>9} {r['overrides'][-1].split('=')[1]:>5} "
+            f"{r['median_step_s']:>16.1f} {p['rollout']:>8.1f} {p['reference']:>9.1f} "
             f"{p['policy']:>7.1f} {p['optimizer']:>9.1f} {r['completion_tokens_per_s']:>6.1f} "
             f"{r['peak_rss_gb']:>11.2f} {str(r['self_check']):>10}"
         )

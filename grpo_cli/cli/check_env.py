@@ -188,6 +188,7 @@ def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
         prompt_length=int(s.max_prompt_length),
         completion_length=int(s.max_new_tokens),
         gradient_checkpointing=bool(t.gradient_checkpointing),
+        logprob_chunk_size=t.logprob_chunk_size,
     )
 
 

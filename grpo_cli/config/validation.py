@@ -78,6 +78,7 @@ NON_NEGATIVE = (
     "environment.timeout_s",
     "trainer.eval_steps",
     "trainer.log_completions",
+    "trainer.logprob_chunk_size",
     "data.eval_size",
     "data.max_multiplier",
     "data.wide_eval_max_operand",
@@ -112,7 +113,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
             problems.append(f"{key}={value} must be a positive integer (>= 1).")
     for key in NON_NEGATIVE:
         value = _get(cfg, key)
-        if value < 0:
+        if value is not None and value < 0:
             problems.append(f"{key}={value} must be >= 0.")
 
     s, lo, opt, tr = cfg.sampler, cfg.loss, cfg.optimizer, cfg.trainer

@@ -1,0 +1,166 @@
+"""Log-probs from the final hidden states, a chunk of tokens' logits at a time (the default path,
+trainer.logprob_chunk_size): the same log-probs, entropies and gradients as the model's whole
+logits (logprob_chunk_size=0), on every architecture of the matrix, with LoRA on the output layer
+and with gradient checkpointing; no [B, C, V] tensor while it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_architectures import ARCHS, G, batch, build
+
+from grpo_cli.logprobs import chunkable, score_tokens
+
+
+def _scores(model, tensors, chunk_size, *, shared=True, top_p=1.0):
+    return score_tokens(
+        model,
+        *tensors,
+        temperature=0.7,
+        num_generations=G if shared else 1,
+        with_entropy=True,
+        top_p=top_p,
+        chunk_size=chunk_size,
+    )
+
+
+def _assert_same_grads(names, ours, theirs, rtol=1e-6):
+    """Gradients equal to rtol, in all and per tensor; a tensor whose true gradient is 0 (a key
+    bias: softmax ignores a shift of every score alike) is float noise on both sides, held to a
+    floor instead."""
+    pairs = [(n, a, b) for n, a, b in zip(names, ours, theirs) if b is not None]
+    assert all(a is not None for _, a, _ in pairs)
+    total = float(torch.cat([b.flatten() for _, _, b in pairs]).norm())
+    diff = float(torch.cat([(a - b).flatten() for _, a, b in pairs]).norm())
+    assert diff <= rtol * total, (diff, total)
+    floor = 1e-2 * total / len(pairs) ** 0.5
+    for n, a, b in pairs:
+        assert float((a - b).norm()) <= rtol * max(float(b.norm()), floor), n
+
+
+def _grads(model, tensors, chunk_size, weights, shared=True):
+    scores = _scores(model, tensors, chunk_size, shared=shared)
+    mask = tensors[3].float()
+    loss = (scores.logps * mask * weights[:, None]).sum()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return scores, torch.autograd.grad(loss, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "plain"])
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_chunked_logprobs_and_gradients_equal_the_whole_logits(name, shared):
+    """Chunks of 5 tokens (several per row, a row split across chunks) against the model's whole
+    logits: log-probs, entropies and every parameter's gradient to 1e-6 relative (fp32)."""
+    model = build(name).train()
+    assert chunkable(model), name
+    _, _, tensors = batch(shared)
+    weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])
+    chunked, ours = _grads(model, tensors, 5, weights, shared)
+    whole, theirs = _grads(model, tensors, 0, weights, shared)
+    mask = tensors[3].bool()
+    torch.testing.assert_close(chunked.logps[mask], whole.logps[mask], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked.entropy[mask], whole.entropy[mask], rtol=1e-6, atol=1e-6)
+    _assert_same_grads([n for n, _ in model.named_parameters()], ours, theirs)
+
+
+def test_truncated_sampling_scores_equal_the_whole_logits():
+    model = build("llama").eval()
+    _, _, tensors = batch(True)
+    with torch.no_grad():
+        chunked = _scores(model, tensors, 4, top_p=0.8)
+        whole = _scores(model, tensors, 0, top_p=0.8)
+    mask = tensors[3].bool()
+    torch.testing.assert_close(chunked.behaviour[mask], whole.behaviour[mask], rtol=1e-6, atol=1e-6)
+    assert (chunked.behaviour[mask] >= chunked.logps[mask] - 1e-6).all()  # (a truncated distribution)
+
+
+def test_lora_on_the_output_layer_gets_the_same_gradients_chunked():
+    from peft import LoraConfig, get_peft_model
+
+    model = build("qwen2")
+    model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
+    )
+    with torch.no_grad():  # non-zero B matrices: the adapters change the logits
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.train()
+    assert chunkable(model)
+    _, _, tensors = batch(True)
+    weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])
+    _, ours = _grads(model, tensors, 3, weights)
+    _, theirs = _grads(model, tensors, 0, weights)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lm_head" in n for n in names)
+    _assert_same_grads(names, ours, theirs)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_chunked():
+    model = build("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, _, tensors = batch(False)
+    weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])
+    _, ours = _grads(model, tensors, 7, weights, shared=False)
+    _, theirs = _grads(model, tensors, 0, weights, shared=False)
+    _assert_same_grads([n for n, _ in model.named_parameters()], ours, theirs)
+
+
+def test_no_tensor_of_the_whole_vocabulary_per_token_is_made():
+    """Of the tensors with a vocabulary-wide last dimension that the forward and backward make
+    (saved for the backward or not), none is larger than one chunk's [chunk, V] logits, where
+    the whole path makes [B, C, V]."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                # a row of V per token (not the output layer's weight, [V, H] or transposed)
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == V and t.numel() != V * H:
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    model = build("llama").train()
+    _, _, tensors = batch(True)
+    B, C = tensors[2].shape
+    V, H = model.config.vocab_size, model.config.hidden_size
+    weights = torch.ones(B)
+    for chunk, bound in ((4, 4 * V), (0, B * C * V)):
+        Largest.largest = 0
+        with Largest():
+            _grads(model, tensors, chunk, weights)
+        assert Largest.largest == bound, (chunk, Largest.largest, bound)
+
+
+def test_grpo_train_with_chunked_logprobs_takes_the_steps_of_the_whole_logits(tmp_path):
+    """A tiny run with trainer.logprob_chunk_size=3 (the policy, the reference at beta 0.04 and
+    the self-check all chunked) logs what the whole-logits run logs, step for step (fp32)."""
+    import json
+
+    from conftest import grpo, tiny
+
+    rows = {}
+    for chunk in ("0", "3"):
+        run = tmp_path / f"chunk{chunk}"
+        args = tiny(
+            "trainer.precision=fp32",
+            "loss.beta=0.04",
+            "trainer.max_steps=2",
+            "trainer.prompts_per_step=2",
+            "trainer.eval_before=false",
+            "data.eval_size=0",
+            f"trainer.logprob_chunk_size={chunk}",
+            f"hydra.run.dir={run}",
+        )
+        res = grpo(args, tmp_path)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert "self-check ok" in res.stdout or "self-check" not in res.stdout
+        rows[chunk] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = ("loss", "kl", "entropy", "reward", "grad_norm")
+    assert len(rows["0"]) == len(rows["3"]) == 2
+    for a, b in zip(rows["0"], rows["3"]):
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
