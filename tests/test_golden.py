@@ -65,7 +65,9 @@ RECORDED_WITH = {
 }
 # Re-recorded for issue #31 with these versions: every earlier value came back bit for bit, the
 # metrics it added are new, and the SmolLM2 run's step-2 entropy and sampler/logp_diff_mean are
-# now measured over the rows trained on (a zero-std group skipped the forward).
+# now measured over the rows trained on (a zero-std group skipped the forward). Re-recorded for
+# issue #37 the same way: every earlier value bit for bit; rewards/failed_groups and
+# rewards/<name>/failures are new.
 # Checked to give the same numbers bit for bit (issue #28): torch 2.11 (PyPI's CUDA build, on the
 # CPU), the oldest of the declared range, which CI's oldest-versions leg runs.
 SAME_NUMBERS = [RECORDED_WITH, {**RECORDED_WITH, "torch": "2.11.0+cu130"}]
