@@ -230,3 +230,14 @@ def test_reward_test_replays_an_episode(tmp_path):
         if "calc" in line
     ]
     assert [r[-3:] for r in rows] == [["1", "0.5", "1.5"], ["0", "0", "0"]]
+
+
+def test_the_wheel_ships_every_package_of_the_source_tree():
+    """pyproject.toml lists its packages by hand: a new subpackage left out installs everywhere
+    but in an editable checkout (a wheel, the lent machine's offline install)."""
+    import tomllib
+    from conftest import ROOT
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "grpo_cli").rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
