@@ -1,11 +1,11 @@
 """Per-token log-probs of completion tokens: the one place the causal shift, padding and
 temperature are handled (ref 000.2, 000.3, 000.4).
 
-Two paths to the same numbers. Chunked (trainer.logprob_chunk_size > 0 or null): the forward
-stops at the final hidden states [B, C, H], and the output layer runs on chunks of tokens, each
-chunk's logits [n, V] taken to log-probs and freed before the next; the backward recomputes a
-chunk's logits instead of keeping them (torch.utils.checkpoint), so no [B, C, V] tensor is ever
-alive. With logprob_chunk_size=0 (the default), the model's own logits [B, C, V].
+Two paths to the same numbers. Chunked (trainer.logprob_chunk_size: null, the default, or N > 0):
+the forward stops at the final hidden states [B, C, H], and the output layer runs on chunks of
+tokens, each chunk's logits [n, V] taken to log-probs and freed before the next, so no [B, C, V]
+tensor is ever alive (_LinearHeadScores: its own backward, which keeps d log p / d hidden per
+token). With logprob_chunk_size=0, the model's own logits [B, C, V].
 """
 
 from __future__ import annotations
@@ -271,6 +271,171 @@ def _chunk_scores(out: OutputLayer, hidden, targets, temperature, with_entropy, 
     return logps, entropy, behaviour
 
 
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the output layer's matmuls run in: autocast's where it is on (as an autocast
+    F.linear would), else the weight's own."""
+    kind = weight.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return weight.dtype
+
+
+def _linear_logits(hidden, weight, bias, softcap):
+    """One chunk's logits [n, V] in fp32 from hidden [n, H] (already in the compute dtype), and
+    the soft-capping's tanh [n, V] (None without soft-capping) for its derivative."""
+    logits = F.linear(hidden, weight, bias).float()  # [n, V]
+    if not softcap:
+        return logits, None
+    capped = logits.div_(softcap).tanh_()  # [n, V]
+    return capped * softcap, capped
+
+
+def _chunk_stats(logits, targets, with_entropy, top_k, top_p):
+    """logits [n, V] fp32, already tempered (overwritten: shifted by their row max) -> (logps [n],
+    entropy [n] or None, behaviour [n] or None, lse [n], probs [n, V]): one max, one exp and one
+    sum over the vocabulary per row, where log_softmax, softmax and logsumexp would each pay their
+    own passes (and their backward more)."""
+    top = logits.max(-1, keepdim=True).values  # [n, 1]
+    shifted = logits.sub_(top)  # [n, V], <= 0
+    picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
+    exps = shifted.exp()  # [n, V]
+    total = exps.sum(-1)  # [n]
+    log_total = total.log()
+    logps = picked - log_total
+    entropy = behaviour = None
+    if with_entropy:  # H = log Z - sum(p * z), with z the shifted logits
+        entropy = log_total - torch.linalg.vecdot(exps, shifted) / total
+    if truncates(top_k, top_p):
+        kept = filter_logits(shifted, top_k, top_p)
+        kept = kept.scatter(-1, targets.unsqueeze(-1), picked.unsqueeze(-1))
+        behaviour = picked - torch.logsumexp(kept, dim=-1)
+    probs = exps.div_(total.unsqueeze(-1))  # [n, V]
+    return logps, entropy, behaviour, top.squeeze(-1) + log_total, probs
+
+
+def _logit_grad(probs, targets, scale, temperature, capped):
+    """d log p(target) / d (output layer's logits) [n, V], times scale [n] (None: 1); overwrites
+    probs and capped: (onehot - p) / temperature, through the soft-capping's tanh if any."""
+    grad = probs.neg_()
+    grad.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(grad[:, :1]))
+    if scale is not None:
+        grad.mul_(scale.unsqueeze(-1))
+    if temperature != 1.0:
+        grad.div_(temperature)
+    if capped is not None:
+        grad.mul_(capped.square_().neg_().add_(1))
+    return grad
+
+
+def _head_pass(h, w, b, targets, *, temperature, softcap, chunk, with_entropy, top_k, top_p, dhidden):
+    """The chunk loop of _LinearHeadScores.forward (no autograd): hidden h [N, H] and output layer
+    (w, b) already in the compute dtype -> (logps, entropy, behaviour, lse) [N] each, and, when
+    dhidden [N, H] is given, d log p / d hidden written into it."""
+    N = h.shape[0]
+    new = lambda: torch.empty(N, device=h.device)  # noqa: E731
+    logps, lses = new(), new()
+    entropy = new() if with_entropy else None
+    behaviour = new() if truncates(top_k, top_p) else None
+    for start in range(0, N, chunk):
+        part = slice(start, start + chunk)
+        logits, capped = _linear_logits(h[part], w, b, softcap)  # [n, V]
+        if temperature != 1.0:
+            logits.div_(temperature)
+        lp, ent, beh, lse, probs = _chunk_stats(logits, targets[part], with_entropy, top_k, top_p)
+        del logits
+        logps[part], lses[part] = lp, lse
+        if entropy is not None:
+            entropy[part] = ent
+        if behaviour is not None:
+            behaviour[part] = beh
+        if dhidden is not None:
+            dlogits = _logit_grad(probs, targets[part], None, temperature, capped)  # [n, V]
+            dhidden[part] = dlogits.to(w.dtype) @ w  # [n, H]
+        del probs, capped
+    return logps, entropy, behaviour, lses
+
+
+class _LinearHeadScores(torch.autograd.Function):
+    """TokenScores from final hidden states [N, H] through a plain linear output layer, chunk by
+    chunk, with a hand-written backward. The forward keeps, per token, d log p / d hidden (=
+    (onehot - p) W / T, [N, H]: the size of the hidden states) and the row's logsumexp, so the
+    gradient to the hidden states costs no recompute; only a trained output layer's own gradient
+    recomputes a chunk's logits (one matmul) in the backward. No [n, V] tensor outlives its chunk.
+    Entropy and behaviour log-probs carry no gradient (monitoring and the sampler's contract)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk, with_entropy, top_k, top_p):
+        dtype = _compute_dtype(weight)
+        train_hidden = ctx.needs_input_grad[0]
+        train_head = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        with torch.autocast(weight.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            h = hidden.to(dtype)
+            dhidden = torch.empty(h.shape, device=h.device, dtype=dtype) if train_hidden else None
+            logps, entropy, behaviour, lses = _head_pass(
+                h,
+                w,
+                b,
+                targets,
+                temperature=temperature,
+                softcap=softcap,
+                chunk=chunk,
+                with_entropy=with_entropy,
+                top_k=top_k,
+                top_p=top_p,
+                dhidden=dhidden,
+            )
+        if train_head:
+            ctx.save_for_backward(dhidden, h, w, b, targets, lses)
+        else:
+            ctx.save_for_backward(dhidden)
+        ctx.args = (temperature, softcap, chunk, hidden.dtype, weight.dtype, train_head)
+        ctx.mark_non_differentiable(*(t for t in (entropy, behaviour) if t is not None))
+        return logps, entropy, behaviour
+
+    @staticmethod
+    def backward(ctx, dlogps, _dentropy, _dbehaviour):
+        temperature, softcap, chunk, hidden_dtype, weight_dtype, train_head = ctx.args
+        dhidden, *rest = ctx.saved_tensors
+        dlogps = dlogps.float()  # [N]
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (dhidden.float() * dlogps.unsqueeze(-1)).to(hidden_dtype)  # [N, H]
+        if train_head:
+            h, w, b, targets, lses = rest
+            grad_weight = torch.zeros(w.shape, device=w.device)  # [V, H] fp32
+            grad_bias = None if b is None else torch.zeros(b.shape, device=w.device)
+            with torch.autocast(w.device.type, enabled=False):
+                for start in range(0, h.shape[0], chunk):
+                    part = slice(start, start + chunk)
+                    logits, capped = _linear_logits(h[part], w, b, softcap)  # [n, V]
+                    if temperature != 1.0:
+                        logits.div_(temperature)
+                    probs = logits.sub_(lses[part].unsqueeze(-1)).exp_()  # [n, V]
+                    dlogits = _logit_grad(probs, targets[part], dlogps[part], temperature, capped)
+                    if w.dtype == torch.float32:
+                        grad_weight.addmm_(dlogits.t(), h[part])
+                    else:  # a bf16/fp16 matmul, as autograd's would be, summed in fp32
+                        grad_weight.add_(dlogits.to(w.dtype).t() @ h[part])
+                    if grad_bias is not None:
+                        grad_bias.add_(dlogits.sum(0))
+                    del logits, probs, dlogits, capped
+            grad_weight = grad_weight.to(weight_dtype)
+            grad_bias = None if grad_bias is None else grad_bias.to(weight_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _plain_linear(head) -> bool:
+    """A torch Linear as it is (no LoRA wrapper, no hooks): _LinearHeadScores' own backward can
+    stand in for it."""
+    return (
+        isinstance(head, torch.nn.Linear)
+        and type(head).forward is torch.nn.Linear.forward
+        and not (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks)
+    )
+
+
 def chunked_scores(
     out: OutputLayer,
     hidden: torch.Tensor,
@@ -284,11 +449,41 @@ def chunked_scores(
 ) -> TokenScores:
     """TokenScores of targets [B, T] from final hidden states [B, T, H], `chunk` tokens at a time:
     the same numbers as token_scores on the whole logits, with at most one chunk's [chunk, V]
-    logits alive (plus, in the backward, one chunk's recomputed logits and their gradient)."""
+    logits alive. A plain linear output layer runs _LinearHeadScores (its own backward); any other
+    (a LoRA-wrapped one) runs its chunks under torch.utils.checkpoint, which recomputes a chunk's
+    forward in the backward."""
     from torch.utils.checkpoint import checkpoint
 
     B, T, H = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(B * T, H), targets.reshape(B * T)
+    truncating = truncates(top_k, top_p)
+    if _plain_linear(out.head):
+        head = out.head
+        args = (temperature, out.softcap, chunk, with_entropy, top_k, top_p)
+        if torch.is_grad_enabled():
+            logps, entropy, behaviour = _LinearHeadScores.apply(
+                flat_hidden, head.weight, head.bias, flat_targets, *args
+            )
+        else:
+            dtype = _compute_dtype(head.weight)
+            with torch.autocast(head.weight.device.type, enabled=False):
+                w, b = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
+                logps, entropy, behaviour, _ = _head_pass(
+                    flat_hidden.to(dtype),
+                    w,
+                    b,
+                    flat_targets,
+                    temperature=temperature,
+                    softcap=out.softcap,
+                    chunk=chunk,
+                    with_entropy=with_entropy,
+                    top_k=top_k,
+                    top_p=top_p,
+                    dhidden=None,
+                )
+        view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+        logps = logps.view(B, T)
+        return TokenScores(logps, view(entropy), view(behaviour) if truncating else logps.detach())
     grad = torch.is_grad_enabled() and hidden.requires_grad
     logps, entropies, behaviours = [], [], []
     for start in range(0, B * T, chunk):
@@ -305,7 +500,7 @@ def chunked_scores(
     return TokenScores(
         logps,
         torch.cat(entropies).view(B, T) if with_entropy else None,
-        torch.cat(behaviours).view(B, T) if truncates(top_k, top_p) else logps.detach(),
+        torch.cat(behaviours).view(B, T) if truncating else logps.detach(),
     )
 
 
@@ -400,7 +595,7 @@ def score_tokens(
     with_entropy: bool = False,
     top_k: int = 0,
     top_p: float = 1.0,
-    chunk_size: int | None = 0,
+    chunk_size: int | None = None,
 ) -> TokenScores:
     """TokenScores of the completion tokens: the chunked path (chunk_size tokens at a time; None:
     auto, chunk_tokens) where the model's logits are its output layer's (chunkable), else, and
@@ -437,7 +632,7 @@ def token_logprobs(
     num_generations: int = 1,
     with_entropy: bool = False,
     shared_prompt: bool = True,
-    chunk_size: int | None = 0,
+    chunk_size: int | None = None,
 ):
     """Log-probs of each completion token under softmax(logits / temperature), the distribution
     the sampler drew from before any truncation (ref 000.4).
@@ -477,7 +672,7 @@ class TokenLogprobs(torch.nn.Module):
         shared_prompt: bool,
         top_k: int = 0,
         top_p: float = 1.0,
-        chunk_size: int | None = 0,
+        chunk_size: int | None = None,
     ):
         super().__init__()
         self.model = model

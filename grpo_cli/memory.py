@@ -360,7 +360,7 @@ def _layer_activation_bytes_per_token(shape: ModelShape, act_bytes: int) -> int:
     return act_bytes * (C_H * shape.hidden_size + C_I * shape.intermediate_size)
 
 
-def _logits_bytes(rows: int, completion_length: int, vocab_size: int, chunk_size: int | None = 0) -> int:
+def _logits_bytes(rows: int, completion_length: int, vocab_size: int, chunk_size: int | None = None) -> int:
     """The fp32 completion logits of a micro-batch, LOGITS_COPIES times (logits, tempered, grad);
     chunked (trainer.logprob_chunk_size, logprobs.chunk_tokens; None: auto) one chunk's only."""
     tokens = rows * completion_length
@@ -384,7 +384,7 @@ def training_activations(
     prompt_length: int,
     completion_length: int,
     gradient_checkpointing: bool,
-    logprob_chunk_size: int | None = 0,
+    logprob_chunk_size: int | None = None,
 ) -> int:
     """Activations of one micro-batch's training forward, kept for its backward (and its logits:
     _logits_bytes).
@@ -432,7 +432,7 @@ def estimate(
     reward_model: ModelShape | None = None,
     reward_batch_size: int = 8,
     reward_max_length: int = 1024,
-    logprob_chunk_size: int | None = 0,
+    logprob_chunk_size: int | None = None,
 ) -> MemoryEstimate:
     """Peak memory of training `shape` with `method`, counted as the trainer stores things.
 

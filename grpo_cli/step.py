@@ -384,7 +384,7 @@ def reference_logprobs(
     temperature: float,
     precision: Precision,
     shared_prompt: bool,
-    chunk_size: int | None = 0,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """The reference model's log-probs [N, C] of the batch's completions, micro-batch by
     micro-batch (with LoRA the reference is the policy with its adapters disabled)."""

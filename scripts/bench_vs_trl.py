@@ -52,6 +52,10 @@ G, LR = 8, 1e-6
 VARIANTS = {
     "grpo-cli fp32": ("grpo", {"precision": "fp32"}),
     "grpo-cli bf16": ("grpo", {"precision": "bf16"}),
+    # The log-probs from the model's whole [B, C, V] logits (trainer.logprob_chunk_size=0), the path
+    # before chunking (issue #38): beside the default chunked one for its memory and time.
+    "grpo-cli fp32 whole-logits": ("grpo", {"precision": "fp32", "logprob_chunk_size": 0}),
+    "grpo-cli bf16 whole-logits": ("grpo", {"precision": "bf16", "logprob_chunk_size": 0}),
     "TRL fp32 defaults": ("trl", {"bf16": False, "gc": True}),
     "TRL fp32 tuned": ("trl", {"bf16": False, "gc": False}),
     "TRL bf16 defaults": ("trl", {"bf16": True, "gc": True}),
@@ -59,6 +63,7 @@ VARIANTS = {
     "floor fp32": ("floor", {}),
 }
 TRL_FP32, TRL_BF16 = ("TRL fp32 defaults", "TRL fp32 tuned"), ("TRL bf16 defaults", "TRL bf16 tuned")
+WHOLE_LOGITS = ("grpo-cli fp32 whole-logits", "grpo-cli bf16 whole-logits")
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -145,6 +150,7 @@ def worker_grpo(spec: dict) -> None:
         "trainer.eval_before=false",
         f"trainer.save_steps={steps + 1}",
         f"trainer.precision={spec['precision']}",
+        f"trainer.logprob_chunk_size={spec.get('logprob_chunk_size', 'null')}",
         f"trainer.device={spec['device']}",
         "trainer.quiet=true",
         f"trainer.seed={spec['seed']}",
@@ -581,7 +587,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--variants",
-        default=",".join(n for n in VARIANTS if n not in TRL_BF16),
+        default=",".join(n for n in VARIANTS if n not in TRL_BF16 + WHOLE_LOGITS),
         help="comma-separated variants (default: %(default)s)",
     )
     ap.add_argument(

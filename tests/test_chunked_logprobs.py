@@ -24,10 +24,12 @@ def _scores(model, tensors, chunk_size, *, shared=True, top_p=1.0):
     )
 
 
-def _assert_same_grads(names, ours, theirs, rtol=1e-6):
-    """Gradients equal to rtol, in all and per tensor; a tensor whose true gradient is 0 (a key
-    bias: softmax ignores a shift of every score alike) is float noise on both sides, held to a
-    floor instead."""
+def _assert_same_grads(names, ours, theirs, rtol=1e-6, per_tensor_rtol=4e-6):
+    """Gradients equal to rtol in all, and to per_tensor_rtol tensor by tensor: the fp32 whole
+    path is itself that far from float64 on a small tensor (Qwen3's k_norm: 1.5e-6, and the
+    chunked path 1.7e-6: each rounds its sums in another order). A tensor whose true gradient is
+    0 (a key bias: softmax ignores a shift of every score alike) is float noise on both sides,
+    held to a floor instead."""
     pairs = [(n, a, b) for n, a, b in zip(names, ours, theirs) if b is not None]
     assert all(a is not None for _, a, _ in pairs)
     total = float(torch.cat([b.flatten() for _, _, b in pairs]).norm())
@@ -35,7 +37,7 @@ def _assert_same_grads(names, ours, theirs, rtol=1e-6):
     assert diff <= rtol * total, (diff, total)
     floor = 1e-2 * total / len(pairs) ** 0.5
     for n, a, b in pairs:
-        assert float((a - b).norm()) <= rtol * max(float(b.norm()), floor), n
+        assert float((a - b).norm()) <= per_tensor_rtol * max(float(b.norm()), floor), n
 
 
 def _grads(model, tensors, chunk_size, weights, shared=True):
@@ -164,3 +166,75 @@ def test_grpo_train_with_chunked_logprobs_takes_the_steps_of_the_whole_logits(tm
     for a, b in zip(rows["0"], rows["3"]):
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.parametrize(
+    "bias, softcap, temperature, top_p",
+    [
+        (False, None, 1.0, 1.0),
+        (True, None, 0.7, 1.0),
+        (False, 3.0, 1.0, 0.9),
+        (True, 3.0, 1.3, 1.0),
+    ],
+)
+def test_the_output_layers_own_backward_gives_autograds_gradients(bias, softcap, temperature, top_p):
+    """_LinearHeadScores (a plain Linear output layer's hand-written backward) against autograd
+    through the whole logits: log-probs, entropies, the sampler's truncated log-probs, and the
+    gradients to the hidden states, the weight and the bias, with a temperature and a soft-capping
+    (Gemma2's final_logit_softcapping), chunks of 3 tokens of 2 x 5 (fp32, 1e-6)."""
+    from grpo_cli.logprobs import OutputLayer, chunked_scores, token_scores
+
+    torch.manual_seed(0)
+    V, H = 50, 16
+    head = torch.nn.Linear(H, V, bias=bias)
+    out = OutputLayer(head, softcap)
+    hidden = torch.randn(2, 5, H, requires_grad=True)
+    targets = torch.randint(0, V, (2, 5))
+    weights = torch.randn(2, 5)
+    params = [hidden, head.weight] + ([head.bias] if bias else [])
+    kw = dict(temperature=temperature, with_entropy=True, top_p=top_p)
+
+    ours = chunked_scores(out, hidden, targets, chunk=3, **kw)
+    g_ours = torch.autograd.grad((ours.logps * weights).sum(), params)
+    theirs = token_scores(out.logits(hidden) / temperature, targets, **{**kw, "temperature": 1.0})
+    g_theirs = torch.autograd.grad((theirs.logps * weights).sum(), params)
+    for a, b in (
+        (ours.logps, theirs.logps),
+        (ours.entropy, theirs.entropy),
+        (ours.behaviour, theirs.behaviour),
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # the reference pass's path: no backward kept, the same numbers
+        torch.testing.assert_close(
+            chunked_scores(out, hidden, targets, chunk=3, **kw).logps, ours.logps.detach()
+        )
+
+
+def test_bf16_autocast_chunked_is_within_bf16_noise_of_the_whole_logits():
+    """Under bf16 autocast both paths run the output layer's matmuls in bf16 and the log-softmax in
+    fp32, rounding in other places (a chunk's matmul, the gradient scaled after it). Measured here:
+    log-probs 0.003-0.006 apart (|log p| up to 6), gradients 0.6-0.8% apart, while each path's
+    gradient is 0.8-1.6% from the fp32 one. Asserted: the log-prob gap within bf16's 2^-7 of the
+    largest, and the chunked gradient no farther from fp32 than 1.5x the whole path's own bf16 error."""
+    model = build("qwen2").train()
+    _, _, tensors = batch(True)
+    weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked, ours = _grads(model, tensors, 5, weights)
+        whole, theirs = _grads(model, tensors, 0, weights)
+    _, fp32 = _grads(model, tensors, 0, weights)
+    mask = tensors[3].bool()
+    gap = (chunked.logps - whole.logps)[mask].abs().max()
+    assert gap <= 2**-7 * whole.logps[mask].abs().max(), gap
+
+    def distance(grads, to):
+        pairs = [(a, b) for a, b in zip(grads, to) if b is not None]
+        return float(torch.cat([(a - b).flatten() for a, b in pairs]).float().norm())
+
+    assert distance(ours, fp32) <= 1.5 * distance(theirs, fp32), (
+        distance(ours, fp32),
+        distance(theirs, fp32),
+    )
+    assert distance(ours, theirs) > 0  # bf16 did round (the check above is not fp32 against fp32)

@@ -198,11 +198,10 @@ class TrainerConfig:
     seed: int = 0
     precision: str = "auto"  # auto | fp32 | bf16 (bf16 weights, fp32 masters) | bf16-autocast | fp16
     gradient_checkpointing: bool = False
-    # N > 0: log-probs from the final hidden states, N tokens' logits at a time (grpo_cli/logprobs.py:
-    # no [B, C, V] logit tensor is ever alive; the backward recomputes a chunk's logits); null: auto
-    # (about 64 MiB of fp32 logits per chunk); 0: the model's whole logits. 0 by default while the
-    # chunked path costs 1.1-1.2x the log-prob phase's time on a CPU (docs/precision.md).
-    logprob_chunk_size: Optional[int] = 0
+    # Log-probs from the final hidden states, N tokens' logits at a time (grpo_cli/logprobs.py: no
+    # [B, C, V] logit tensor is ever alive); null (the default): auto, about 64 MiB of fp32 logits
+    # per chunk; 0: the model's whole logits, the path before chunking (docs/precision.md).
+    logprob_chunk_size: Optional[int] = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dynamic_sampling: bool = False
     max_sampling_tries: int = 4
