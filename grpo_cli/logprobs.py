@@ -227,12 +227,15 @@ _CHUNKABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 
 def chunkable(model) -> bool:
     """Whether the chunked path gives this model's logits: checked once per model on a short
     input, the model's own logits against OutputLayer.logits of its hidden states (an
-    architecture that scales or biases its logits some other way keeps the plain path)."""
+    architecture that scales or biases its logits some other way keeps the plain path). Under
+    FSDP2 the output layer belongs to the root module, whose weights stay gathered from its
+    forward to its backward (FSDP2 does not reshard the root after forward): the chunks use them
+    there, and the gradient reaches them, to be reduce-scattered with the root's others."""
     key = forward_model(model)
     if key not in _CHUNKABLE:
         m = forward_model(model)
         head = m.get_output_embeddings()
-        ok = isinstance(getattr(head, "weight", None), torch.Tensor) and not _sharded(head)
+        ok = isinstance(getattr(head, "weight", None), torch.Tensor)
         if ok:
             ids = torch.tensor([[1, 2, 3]], device=head.weight.device)
             kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
@@ -240,13 +243,15 @@ def chunkable(model) -> bool:
                 plain = model_logits(model, **kw).float()
                 with hidden_states_out(model) as out:
                     hidden = model_logits(model, **kw)
-                    chunked = out.logits(hidden).float()
-            ok = plain.shape == chunked.shape and torch.allclose(plain, chunked, rtol=1e-3, atol=1e-3)
+                    ok = not _sharded(out.head)
+                    chunked = out.logits(hidden).float() if ok else None
+            ok = ok and plain.shape == chunked.shape and torch.allclose(plain, chunked, rtol=1e-3, atol=1e-3)
         _CHUNKABLE[key] = ok
     return _CHUNKABLE[key]
 
 
 def _sharded(module) -> bool:
+    """Whether a module's weights are shards right now (FSDP2's DTensors outside its forward)."""
     return any(hasattr(p, "to_local") for p in module.parameters())
 
 
@@ -604,6 +609,17 @@ def score_tokens(
     if chunk_size != 0 and chunkable(model):
         with hidden_states_out(model) as out:
             hidden = _forward_logits(*args, 1.0)  # [B, C, H]
+        if _sharded(out.head):  # (FSDP2 resharded its root after all: the whole logits, once more)
+            return score_tokens(
+                *args[:5],
+                temperature=temperature,
+                num_generations=num_generations,
+                shared_prompt=shared_prompt,
+                with_entropy=with_entropy,
+                top_k=top_k,
+                top_p=top_p,
+                chunk_size=0,
+            )
         vocab = out.head.weight.shape[0]
         return chunked_scores(
             out,

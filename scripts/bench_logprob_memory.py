@@ -56,6 +56,8 @@ def worker(args) -> None:
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     model = Qwen2ForCausalLM(config).to(dtype)
     model.train()
+    if args.gradient_checkpointing:  # as trainer.gradient_checkpointing=true sets it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     G, P, C, V = args.rows, args.prompt_tokens, args.completion_tokens, config.vocab_size
     prompt = torch.randint(10, V, (1, P)).repeat(G, 1)
     inputs = (
@@ -91,6 +93,7 @@ def worker(args) -> None:
             {
                 "tree": args.tree_name,
                 "chunk": args.chunk,
+                "gradient_checkpointing": args.gradient_checkpointing,
                 "model": args.model,
                 "precision": args.precision,
                 "rows": G,
@@ -140,6 +143,11 @@ def main() -> None:
         default=["0", "auto"],
         help="trainer.logprob_chunk_size values to compare (0: the whole logits; auto: the default)",
     )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="the layers checkpointed (each keeps its input only): what is left is mostly the logits",
+    )
     parser.add_argument("--chunk", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree-name", default="this", help=argparse.SUPPRESS)
@@ -177,6 +185,7 @@ def main() -> None:
                         str(args.threads),
                     ]
                     cmd += ["--tree-name", name, "--chunk", chunk]
+                    cmd += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree or ROOT)
                     if proc.returncode:
                         raise SystemExit(f"{name} {precision}: the worker failed:\n{proc.stderr[-3000:]}")

@@ -57,7 +57,15 @@ SMOLLM2_135M = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
-SHAPES = {"qwen0.5b": QWEN_05B, "smollm2-135m": SMOLLM2_135M}
+# Qwen2.5-1.5B-Instruct's shape (1.54B parameters): the memory estimate's largest check.
+QWEN_15B = {
+    **QWEN_05B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+}
+SHAPES = {"qwen0.5b": QWEN_05B, "smollm2-135m": SMOLLM2_135M, "qwen1.5b": QWEN_15B}
 
 
 def build(folder: Path, shape: str = "qwen0.5b") -> Path:
@@ -71,7 +79,7 @@ def build(folder: Path, shape: str = "qwen0.5b") -> Path:
     dims = SHAPES[shape]
     tok = char_tokenizer(dims["vocab_size"])
     config_class, model_class = (
-        (Qwen2Config, Qwen2ForCausalLM) if shape == "qwen0.5b" else (LlamaConfig, LlamaForCausalLM)
+        (Qwen2Config, Qwen2ForCausalLM) if shape.startswith("qwen") else (LlamaConfig, LlamaForCausalLM)
     )
     config = config_class(**dims, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)

@@ -238,3 +238,30 @@ def test_bf16_autocast_chunked_is_within_bf16_noise_of_the_whole_logits():
         distance(theirs, fp32),
     )
     assert distance(ours, theirs) > 0  # bf16 did round (the check above is not fp32 against fp32)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_fsdp2_sharded_model_scores_chunked_with_the_whole_logits_gradients(name):
+    """Two processes (torchrun, gloo), the model sharded by FSDP2 as trainer.distributed=fsdp
+    shards it: the chunked path is taken (its output layer's weights are the root's, gathered
+    from the forward to the backward) and gives an unsharded model's log-probs and gradients
+    (tests/chunked_fsdp_helper.py; Llama's own output layer, Gemma2's tied one with soft-capping)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import grpo_env
+
+    helper = Path(__file__).resolve().parent / "chunked_fsdp_helper.py"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(helper),
+        name,
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=grpo_env())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert res.stdout.count("chunked under FSDP2 ok") == 2, res.stdout

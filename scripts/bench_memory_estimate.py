@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""The memory estimate (grpo-check-env --model ...) against the measured peak of a real step.
+
+    bash scripts/run.sh python scripts/bench_memory_estimate.py                 # the default table
+    bash scripts/run.sh python scripts/bench_memory_estimate.py --models smollm2-135m --lengths 256
+    bash scripts/run.sh python scripts/bench_memory_estimate.py --chunks auto 0 --json out.json
+
+Per case, a random-init model of a real shape (scripts/bench_qwen_shape.py's SHAPES: SmolLM2-135M,
+Qwen2.5-0.5B, Qwen2.5-1.5B; no hub) trains two steps of the real `grpo-train` in a fresh process
+(the second with AdamW's state alive, as in every later step):
+one prompt of the default recipe, 8 completions of exactly --lengths tokens (EOS ignored), beta
+0.04, AdamW, with the precision and trainer.logprob_chunk_size of the case. The measured peak is
+the process's peak resident set (ru_maxrss: the weights, the reference, the gradients and the
+optimizer state, the sampler's cache, the training forward's activations, the runtime). The
+estimate is what `grpo-check-env --model <folder> <the same overrides>` prints for the method the
+run used (cli.check_env.memory_estimate: nothing loaded). Full fine-tuning where it fits this
+machine, LoRA (adapter=lora, r 16) for the 1.5B shape, whose full fine-tuning needs ~30 GB.
+
+Prints a table (estimate, measured, their ratio) and writes JSON (--json). A benchmark: nothing is
+asserted; the ratio is what docs/precision.md reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_qwen_shape import SHAPES, build, run  # noqa: E402  (one source for the shapes)
+
+# Full fine-tuning of the 1.5B shape (fp32 weights, gradients, AdamW, a reference: ~30 GB) does not
+# fit a 24 GiB machine; LoRA is what grpo-check-env recommends there, and what is measured.
+METHOD = {"smollm2-135m": "full", "qwen0.5b": "full", "qwen1.5b": "lora"}
+
+
+def overrides(precision: str, length: int, chunk: str, method: str) -> list[str]:
+    extra = [
+        "trainer.prompts_per_step=1",
+        "trainer.gradient_accumulation_steps=1",
+        "sampler.num_generations=8",
+        f"sampler.max_new_tokens={length}",
+        "sampler.ignore_eos=true",
+        f"trainer.precision={precision}",
+        f"trainer.logprob_chunk_size={'null' if chunk == 'auto' else chunk}",
+    ]
+    return extra + (["adapter=lora"] if method == "lora" else [])
+
+
+def estimate(folder: Path, extra: list[str], method: str) -> dict:
+    """What grpo-check-env --model <folder> <extra> estimates for `method`, in bytes."""
+    from grpo_cli.cli.check_env import memory_estimate
+
+    info = {"cuda_available": False, "bf16_supported": True, "ram_gib": 24.0, "vram_gib": None}
+    est = memory_estimate(str(folder), [*extra, "loss.beta=0.04"], info)
+    return est["methods"][method] | {"prompt_length": est["settings"]["prompt_length"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--models", nargs="+", default=["smollm2-135m", "qwen0.5b", "qwen1.5b"], choices=SHAPES
+    )
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[256, 1024], help="completion tokens")
+    parser.add_argument(
+        "--chunks", nargs="+", default=["auto"], help="logprob_chunk_size values (auto, 0, N)"
+    )
+    parser.add_argument(
+        "--shapes-dir", default=str(ROOT / ".bench"), help="where the models are built (once)"
+    )
+    parser.add_argument("--json", default=str(ROOT / "docs" / "bench_memory_estimate.json"))
+    args = parser.parse_args()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    rows = []
+    for model in args.models:
+        folder = Path(args.shapes_dir) / f"{model}-shape"
+        if not (folder / "config.json").is_file():
+            print(f"[bench] building a random-init {model}-shaped model in {folder}", flush=True)
+            build(folder, model)
+        for length in args.lengths:
+            for precision in args.precisions:
+                for chunk in args.chunks:
+                    method = METHOD[model]
+                    extra = overrides(precision, length, chunk, method)
+                    est = estimate(folder, extra, method)
+                    print(
+                        f"[bench] {model} {precision} 8 x {length} chunk {chunk} ({method}) ...", flush=True
+                    )
+                    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+                        measured = run(folder, 0.04, 2, Path(tmp) / "run", extra)
+                    row = {
+                        "model": model,
+                        "method": method,
+                        "precision": precision,
+                        "completion_tokens": length,
+                        "chunk": chunk,
+                        "estimate_gib": est["total"] / 2**30,
+                        "estimate_parts_gib": {
+                            k: v / 2**30
+                            for k, v in est.items()
+                            if isinstance(v, int) and not isinstance(v, bool)
+                        },
+                        "measured_gib": measured["peak_rss_gb"],
+                        "step_s": measured["median_step_s"],
+                    }
+                    row["ratio"] = row["estimate_gib"] / row["measured_gib"]
+                    print(
+                        f"[bench]   estimate {row['estimate_gib']:.2f} GiB, measured {row['measured_gib']:.2f} GiB "
+                        f"({row['ratio']:.2f}x), step {row['step_s']:.0f} s",
+                        flush=True,
+                    )
+                    rows.append(row)
+    print(
+        f"\n{'model':<14}{'method':<7}{'precision':<10}{'tokens':>8}{'chunk':>7}{'estimate GiB':>14}"
+        f"{'measured GiB':>14}{'est/meas':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<14}{r['method']:<7}{r['precision']:<10}{'8x' + str(r['completion_tokens']):>8}"
+            f"{r['chunk']:>7}{r['estimate_gib']:>14.2f}{r['measured_gib']:>14.2f}{r['ratio']:>10.2f}"
+        )
+    out = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "rows": rows}
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
