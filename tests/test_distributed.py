@@ -165,7 +165,12 @@ def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folde
         # and Adam turns a weight's gradient of rounding noise into +-lr either way: the update as a
         # whole agrees within a few percent, single weights need not.
         bf16 = "bf16" in case
-        assert rel < 0.1 if bf16 else (rel < 1e-3 and max_diff < 1e-2 * moved), case
+        # fp32: the update agrees to 1e-3 as a whole; a single weight to 2% of the largest update
+        # (chunked log-probs sum the output layer's gradient chunk by chunk, and each rank's chunks
+        # are other tokens than one process's: the fp32 sums round in another order, and Adam
+        # makes a weight's near-zero gradient a step of up to lr; FSDP2 with adaptive groups:
+        # 1.2% measured).
+        assert rel < 0.1 if bf16 else (rel < 1e-3 and max_diff < 2e-2 * moved), case
         # The logged completions (gathered from the ranks, in one process's order): the same prompts,
         # texts, rewards and flags; the advantages up to float rounding.
         logged1, logged2 = (read_records(tmp_path / w / case) for w in ("w1", "w2"))
