@@ -360,6 +360,34 @@ def _head_pass(h, w, b, targets, *, temperature, softcap, chunk, with_entropy, t
     return logps, entropy, behaviour, lses
 
 
+def _head_scores(
+    hidden, weight, bias, targets, temperature, softcap, chunk, with_entropy, top_k, top_p, *, with_dhidden
+):
+    """hidden [N, H], the output layer (weight, bias) cast to the compute dtype (autocast off
+    inside: the dtypes are set here), and _head_pass on them: ((h, w, b, dhidden), (logps,
+    entropy, behaviour, lse)); dhidden [N, H] (d log p / d hidden) only when with_dhidden."""
+    dtype = _compute_dtype(weight)
+    with torch.autocast(weight.device.type, enabled=False):
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        h = hidden.to(dtype)
+        dhidden = torch.empty(h.shape, device=h.device, dtype=dtype) if with_dhidden else None
+        scores = _head_pass(
+            h,
+            w,
+            b,
+            targets,
+            temperature=temperature,
+            softcap=softcap,
+            chunk=chunk,
+            with_entropy=with_entropy,
+            top_k=top_k,
+            top_p=top_p,
+            dhidden=dhidden,
+        )
+    return (h, w, b, dhidden), scores
+
+
 class _LinearHeadScores(torch.autograd.Function):
     """TokenScores from final hidden states [N, H] through a plain linear output layer, chunk by
     chunk, with a hand-written backward. The forward keeps, per token, d log p / d hidden (=
@@ -370,27 +398,11 @@ class _LinearHeadScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk, with_entropy, top_k, top_p):
-        dtype = _compute_dtype(weight)
-        train_hidden = ctx.needs_input_grad[0]
         train_head = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        with torch.autocast(weight.device.type, enabled=False):
-            w = weight.to(dtype)
-            b = None if bias is None else bias.to(dtype)
-            h = hidden.to(dtype)
-            dhidden = torch.empty(h.shape, device=h.device, dtype=dtype) if train_hidden else None
-            logps, entropy, behaviour, lses = _head_pass(
-                h,
-                w,
-                b,
-                targets,
-                temperature=temperature,
-                softcap=softcap,
-                chunk=chunk,
-                with_entropy=with_entropy,
-                top_k=top_k,
-                top_p=top_p,
-                dhidden=dhidden,
-            )
+        args = (temperature, softcap, chunk, with_entropy, top_k, top_p)
+        (h, w, b, dhidden), (logps, entropy, behaviour, lses) = _head_scores(
+            hidden, weight, bias, targets, *args, with_dhidden=ctx.needs_input_grad[0]
+        )
         if train_head:
             ctx.save_for_backward(dhidden, h, w, b, targets, lses)
         else:
@@ -469,23 +481,10 @@ def chunked_scores(
             logps, entropy, behaviour = _LinearHeadScores.apply(
                 flat_hidden, head.weight, head.bias, flat_targets, *args
             )
-        else:
-            dtype = _compute_dtype(head.weight)
-            with torch.autocast(head.weight.device.type, enabled=False):
-                w, b = head.weight.to(dtype), None if head.bias is None else head.bias.to(dtype)
-                logps, entropy, behaviour, _ = _head_pass(
-                    flat_hidden.to(dtype),
-                    w,
-                    b,
-                    flat_targets,
-                    temperature=temperature,
-                    softcap=out.softcap,
-                    chunk=chunk,
-                    with_entropy=with_entropy,
-                    top_k=top_k,
-                    top_p=top_p,
-                    dhidden=None,
-                )
+        else:  # (the reference pass, evaluation: nothing kept for a backward)
+            _, (logps, entropy, behaviour, _) = _head_scores(
+                flat_hidden, head.weight, head.bias, flat_targets, *args, with_dhidden=False
+            )
         view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         logps = logps.view(B, T)
         return TokenScores(logps, view(entropy), view(behaviour) if truncating else logps.detach())
