@@ -318,11 +318,16 @@ def _chunk_stats(logits, targets, with_entropy, top_k, top_p):
     return logps, entropy, behaviour, top.squeeze(-1) + log_total, probs
 
 
-def _logit_grad(probs, targets, scale, temperature, capped):
+def _logit_grad(probs, targets, scale, temperature, capped, start=0):
     """d log p(target) / d (output layer's logits) [n, V], times scale [n] (None: 1); overwrites
-    probs and capped: (onehot - p) / temperature, through the soft-capping's tanh if any."""
+    probs and capped: (onehot - p) / temperature, through the soft-capping's tanh if any. probs
+    may be the vocabulary's columns start.. only (a target outside them gets no onehot)."""
     grad = probs.neg_()
-    grad.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(grad[:, :1]))
+    local = targets - start
+    inside = (local >= 0) & (local < grad.shape[1])  # [n]
+    grad.scatter_add_(
+        -1, local.clamp(0, grad.shape[1] - 1).unsqueeze(-1), inside.to(grad.dtype).unsqueeze(-1)
+    )
     if scale is not None:
         grad.mul_(scale.unsqueeze(-1))
     if temperature != 1.0:
@@ -388,12 +393,44 @@ def _head_scores(
     return (h, w, b, dhidden), scores
 
 
+def _head_weight_grad(h, w, b, targets, lses, dlogps, temperature, softcap, chunk, weight_dtype):
+    """The output layer's gradient (weight [V, H], bias [V] or None) in weight_dtype, from hidden
+    h [N, H] and (w, b) in the compute dtype, the forward's logsumexps lses [N] and the upstream
+    dlogps [N]. Sliced by vocabulary rows, not by tokens: each slice recomputes its logits for all
+    N tokens ([N, v], as many elements as a token chunk's [chunk, V]) and writes its rows of the
+    gradient with one matmul over all tokens. A token-chunked loop would add a whole [V, H]
+    partial gradient per chunk (a bf16 temporary and an fp32 read-modify-write of V * H each
+    time); this writes each row once, and sums the tokens inside the matmul (fp32 accumulation,
+    one rounding to the compute dtype, as autograd's own matmul would)."""
+    N, V = h.shape[0], w.shape[0]
+    rows = V if N <= chunk else max(1, chunk * V // N)  # vocabulary rows per slice: [N, rows] <= [chunk, V]
+    grad_weight = torch.empty(w.shape, device=w.device, dtype=weight_dtype)  # [V, H]
+    grad_bias = None if b is None else torch.empty(b.shape, device=w.device, dtype=weight_dtype)
+    with torch.autocast(w.device.type, enabled=False):
+        for start in range(0, V, rows):
+            part = slice(start, start + rows)
+            logits, capped = _linear_logits(h, w[part], None if b is None else b[part], softcap)  # [N, v]
+            if temperature != 1.0:
+                logits.div_(temperature)
+            probs = logits.sub_(lses.unsqueeze(-1)).exp_()  # [N, v]
+            dlogits = _logit_grad(probs, targets, dlogps, temperature, capped, start)  # [N, v]
+            if w.dtype == grad_weight.dtype:
+                torch.mm(dlogits.to(w.dtype).t(), h, out=grad_weight[part])
+            else:  # a bf16/fp16 matmul, as autograd's would be
+                grad_weight[part] = dlogits.to(w.dtype).t() @ h
+            if grad_bias is not None:
+                grad_bias[part] = dlogits.sum(0)
+            del logits, probs, dlogits, capped
+    return grad_weight, grad_bias
+
+
 class _LinearHeadScores(torch.autograd.Function):
     """TokenScores from final hidden states [N, H] through a plain linear output layer, chunk by
     chunk, with a hand-written backward. The forward keeps, per token, d log p / d hidden (=
     (onehot - p) W / T, [N, H]: the size of the hidden states) and the row's logsumexp, so the
     gradient to the hidden states costs no recompute; only a trained output layer's own gradient
-    recomputes a chunk's logits (one matmul) in the backward. No [n, V] tensor outlives its chunk.
+    recomputes the logits in the backward (_head_weight_grad: a slice of the vocabulary for every
+    token at a time, as many elements as a chunk). No [n, V] tensor outlives its chunk.
     Entropy and behaviour log-probs carry no gradient (monitoring and the sampler's contract)."""
 
     @staticmethod
@@ -421,25 +458,9 @@ class _LinearHeadScores(torch.autograd.Function):
             grad_hidden = (dhidden.float() * dlogps.unsqueeze(-1)).to(hidden_dtype)  # [N, H]
         if train_head:
             h, w, b, targets, lses = rest
-            grad_weight = torch.zeros(w.shape, device=w.device)  # [V, H] fp32
-            grad_bias = None if b is None else torch.zeros(b.shape, device=w.device)
-            with torch.autocast(w.device.type, enabled=False):
-                for start in range(0, h.shape[0], chunk):
-                    part = slice(start, start + chunk)
-                    logits, capped = _linear_logits(h[part], w, b, softcap)  # [n, V]
-                    if temperature != 1.0:
-                        logits.div_(temperature)
-                    probs = logits.sub_(lses[part].unsqueeze(-1)).exp_()  # [n, V]
-                    dlogits = _logit_grad(probs, targets[part], dlogps[part], temperature, capped)
-                    if w.dtype == torch.float32:
-                        grad_weight.addmm_(dlogits.t(), h[part])
-                    else:  # a bf16/fp16 matmul, as autograd's would be, summed in fp32
-                        grad_weight.add_(dlogits.to(w.dtype).t() @ h[part])
-                    if grad_bias is not None:
-                        grad_bias.add_(dlogits.sum(0))
-                    del logits, probs, dlogits, capped
-            grad_weight = grad_weight.to(weight_dtype)
-            grad_bias = None if grad_bias is None else grad_bias.to(weight_dtype)
+            grad_weight, grad_bias = _head_weight_grad(
+                h, w, b, targets, lses, dlogps, temperature, softcap, chunk, weight_dtype
+            )
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 

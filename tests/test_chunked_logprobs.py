@@ -109,20 +109,24 @@ def test_gradient_checkpointing_gives_the_same_gradients_chunked():
 
 
 def test_no_tensor_of_the_whole_vocabulary_per_token_is_made():
-    """Of the tensors with a vocabulary-wide last dimension that the forward and backward make
-    (saved for the backward or not), none is larger than one chunk's [chunk, V] logits, where
-    the whole path makes [B, C, V]."""
+    """Of the tensors of logits the forward and backward make (saved for the backward or not),
+    none is larger than one chunk's [chunk, V] logits, where the whole path makes [B, C, V]: a row
+    of V per token, or in the output layer's backward a slice of the vocabulary's columns for every
+    token ([N, v]: flat, N = B * C rows, not the hidden states' H)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):
-        largest = 0
+        largest = slices = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else [out]:
-                # a row of V per token (not the output layer's weight, [V, H] or transposed)
-                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == V and t.numel() != V * H:
+                if not isinstance(t, torch.Tensor) or not t.dim() or t.numel() == V * H:
+                    continue  # (not the output layer's weight or its gradient, [V, H])
+                if t.shape[-1] == V:
                     Largest.largest = max(Largest.largest, t.numel())
+                elif t.dim() == 2 and t.shape[0] == B * C and t.shape[1] != H:
+                    Largest.slices = max(Largest.slices, t.numel())
             return out
 
     model = build("llama").train()
@@ -131,10 +135,12 @@ def test_no_tensor_of_the_whole_vocabulary_per_token_is_made():
     V, H = model.config.vocab_size, model.config.hidden_size
     weights = torch.ones(B)
     for chunk, bound in ((4, 4 * V), (0, B * C * V)):
-        Largest.largest = 0
+        Largest.largest = Largest.slices = 0
         with Largest():
             _grads(model, tensors, chunk, weights)
         assert Largest.largest == bound, (chunk, Largest.largest, bound)
+        if chunk:  # the output layer's backward: slices of 4 * V // (B * C) columns
+            assert 0 < Largest.slices <= bound, (Largest.slices, bound)
 
 
 def test_grpo_train_with_chunked_logprobs_takes_the_steps_of_the_whole_logits(tmp_path):
