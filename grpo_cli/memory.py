@@ -38,17 +38,24 @@ NF4_BYTES = 0.52
 # against a measured peak RSS / max_memory_allocated.
 C_H = 10
 C_I = 4
-# Copies of the [rows, completion, vocab] fp32 logits alive at the loss: the logits, their
-# tempered (/temperature) log-softmax input, and their gradient. To be calibrated.
-LOGITS_COPIES = 3
+# Copies of the [rows, completion, vocab] fp32 logits alive at the loss: the logits (their
+# tempered log-softmax input) and their gradient. Measured (scripts/bench_memory_estimate.py,
+# Qwen2.5-0.5B shape at 8 x 256 and 8 x 512 completion tokens, fp32 and bf16): two copies put the
+# whole-logits path's estimate within 4% of its peak; three (a separate tempered copy) were 1.1x.
+LOGITS_COPIES = 2
 
-# Memory the allocator holds beyond the live activations, as a fraction of them: freed
-# activations of earlier steps that cannot hold the next step's tensors (fragmentation). Measured
-# on the CPU (glibc malloc, SmolLM2-135M, default recipe shape, scripts/bench_lora.py memory):
-# peak RSS exceeds the live tensors by ~0.85x the activations with LoRA (and less with full
-# training, whose gradients and optimizer state reuse the freed memory). On a GPU, PyTorch's
-# caching allocator: not measured here (no GPU), a guess.
-ALLOCATOR_SLACK = {"cpu": 0.85, "cuda": 0.25}
+# Memory the allocator holds beyond the live activations, as a fraction of them, by device and
+# method: freed activations of earlier steps that cannot hold the next step's tensors
+# (fragmentation). On the CPU (glibc malloc) with adapters (SmolLM2-135M, the default recipe's
+# shape, scripts/bench_lora.py memory): peak RSS exceeds the live tensors by ~0.85x the
+# activations. With full training the gradients (counted on their own) and the optimizer state
+# reuse that memory: its peaks at 8 x 256-512 completion tokens (SmolLM2-135M, Qwen2.5-0.5B
+# shapes) are the live tensors' within 6%. On a GPU, PyTorch's caching allocator: not measured
+# here (no GPU), a guess.
+ALLOCATOR_SLACK = {
+    "cpu": {"full": 0.0, "lora": 0.85, "qlora": 0.85},
+    "cuda": {"full": 0.25, "lora": 0.25, "qlora": 0.25},
+}
 
 # --------------------------------------------------------------------------- runtime (rough)
 
@@ -361,7 +368,7 @@ def _layer_activation_bytes_per_token(shape: ModelShape, act_bytes: int) -> int:
 
 
 def _logits_bytes(rows: int, completion_length: int, vocab_size: int, chunk_size: int | None = None) -> int:
-    """The fp32 completion logits of a micro-batch, LOGITS_COPIES times (logits, tempered, grad);
+    """The fp32 completion logits of a micro-batch, LOGITS_COPIES times (logits, gradient);
     chunked (trainer.logprob_chunk_size, logprobs.chunk_tokens; None: auto) one chunk's only."""
     tokens = rows * completion_length
     if chunk_size != 0:
@@ -506,7 +513,9 @@ def estimate(
         gradients=FP32_BYTES * trainable,
         optimizer=ADAMW_STATE_BYTES * trainable,
         reference=reference,
-        activations=max(int(training * (1 + ALLOCATOR_SLACK.get(device_type, 0.0))), sampling, scoring),
+        activations=max(
+            int(training * (1 + ALLOCATOR_SLACK.get(device_type, {}).get(method, 0.0))), sampling, scoring
+        ),
         runtime=_runtime_bytes(device_type),
         gradient_checkpointing=gradient_checkpointing,
         reward_model=reward_weights,

@@ -18,6 +18,14 @@ machine, LoRA (adapter=lora, r 16) for the 1.5B shape, whose full fine-tuning ne
 
 Prints a table (estimate, measured, their ratio) and writes JSON (--json). A benchmark: nothing is
 asserted; the ratio is what docs/precision.md reports.
+
+    ... bench_memory_estimate.py --reestimate docs/bench_memory_estimate.json   # runs nothing
+    ... bench_memory_estimate.py --largest 16 --models qwen0.5b --chunks auto 0 # runs nothing
+
+--reestimate FILE recomputes the estimate column of FILE's rows with this tree's grpo_cli.memory
+(after a recalibration: the measured peaks stay). --largest GIB bisects, for each model, precision
+and chunk setting, the longest completion (8 of them, one prompt) whose estimate is within GIB GiB:
+the estimate, checked against the measured rows, stands in for a run per length.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_qwen_shape import SHAPES, build, run  # noqa: E402  (one source for the shapes)
+from bench_qwen_shape import SHAPES, build, model_config, run  # noqa: E402  (one source for the shapes)
 
 # Full fine-tuning of the 1.5B shape (fp32 weights, gradients, AdamW, a reference: ~30 GB) does not
 # fit a 24 GiB machine; LoRA is what grpo-check-env recommends there, and what is measured.
@@ -61,6 +69,72 @@ def estimate(folder: Path, extra: list[str], method: str) -> dict:
     return est["methods"][method] | {"prompt_length": est["settings"]["prompt_length"]}
 
 
+def reestimate(path: Path) -> None:
+    """The estimate of every row of a JSON this script wrote, recomputed (measured peaks kept)."""
+    data = json.loads(path.read_text())
+    for r in data["rows"]:
+        folder = _shape_folder(ROOT / ".bench", r["model"], weights=False)
+        extra = overrides(r["precision"], r["completion_tokens"], r["chunk"], r["method"])
+        est = estimate(folder, extra, r["method"])
+        r["estimate_gib"] = est["total"] / 2**30
+        r["estimate_parts_gib"] = {
+            k: v / 2**30 for k, v in est.items() if isinstance(v, int) and not isinstance(v, bool)
+        }
+        r["ratio"] = r["estimate_gib"] / r["measured_gib"]
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    _table(data["rows"])
+    print(f"re-estimated {path}")
+
+
+def _fits(folder: Path, precision: str, length: int, chunk: str, method: str, budget: float) -> bool:
+    return estimate(folder, overrides(precision, length, chunk, method), method)["total"] <= budget
+
+
+def largest(budget_gib: float, models, precisions, chunks) -> list[dict]:
+    """The longest completion length (8 completions of one prompt) whose estimate fits budget_gib."""
+    rows = []
+    for model in models:
+        folder, method = _shape_folder(ROOT / ".bench", model, weights=False), METHOD[model]
+        for precision in precisions:
+            for chunk in chunks:
+                lo, hi = 0, 1 << 16  # lo fits (or is 0), hi does not
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if _fits(folder, precision, mid, chunk, method, budget_gib * 2**30):
+                        lo = mid
+                    else:
+                        hi = mid
+                row = dict(model=model, method=method, precision=precision, chunk=chunk)
+                rows.append(row | dict(budget_gib=budget_gib, largest_completion_tokens=lo))
+                print(f"{model} {method} {precision} chunk {chunk}: within {budget_gib:g} GiB up to 8 x {lo}")
+    return rows
+
+
+def _shape_folder(root: Path, model: str, *, weights: bool = True) -> Path:
+    """The random-init model of that shape under root, built on first use; weights=False: its
+    config.json alone (all the estimate reads)."""
+    folder = root / f"{model}-shape"
+    if not weights and not (folder / "config.json").is_file():
+        folder = root / f"{model}-config"
+        model_config(model).save_pretrained(folder)
+    if not (folder / "config.json").is_file():
+        print(f"[bench] building a random-init {model}-shaped model in {folder}", flush=True)
+        build(folder, model)
+    return folder
+
+
+def _table(rows) -> None:
+    print(
+        f"\n{'model':<14}{'method':<7}{'precision':<10}{'tokens':>8}{'chunk':>7}{'estimate GiB':>14}"
+        f"{'measured GiB':>14}{'est/meas':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<14}{r['method']:<7}{r['precision']:<10}{'8x' + str(r['completion_tokens']):>8}"
+            f"{r['chunk']:>7}{r['estimate_gib']:>14.2f}{r['measured_gib']:>14.2f}{r['ratio']:>10.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -75,14 +149,21 @@ def main() -> None:
         "--shapes-dir", default=str(ROOT / ".bench"), help="where the models are built (once)"
     )
     parser.add_argument("--json", default=str(ROOT / "docs" / "bench_memory_estimate.json"))
+    parser.add_argument("--reestimate", metavar="FILE", help="recompute FILE's estimates; run nothing")
+    parser.add_argument(
+        "--largest", type=float, metavar="GIB", help="longest completion within GIB; run nothing"
+    )
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
+    if args.reestimate:
+        return reestimate(Path(args.reestimate))
+    if args.largest:
+        out = {"largest": largest(args.largest, args.models, args.precisions, args.chunks)}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        return print(f"wrote {args.json}")
     rows = []
     for model in args.models:
-        folder = Path(args.shapes_dir) / f"{model}-shape"
-        if not (folder / "config.json").is_file():
-            print(f"[bench] building a random-init {model}-shaped model in {folder}", flush=True)
-            build(folder, model)
+        folder = _shape_folder(Path(args.shapes_dir), model)
         for length in args.lengths:
             for precision in args.precisions:
                 for chunk in args.chunks:
@@ -116,15 +197,7 @@ def main() -> None:
                         flush=True,
                     )
                     rows.append(row)
-    print(
-        f"\n{'model':<14}{'method':<7}{'precision':<10}{'tokens':>8}{'chunk':>7}{'estimate GiB':>14}"
-        f"{'measured GiB':>14}{'est/meas':>10}"
-    )
-    for r in rows:
-        print(
-            f"{r['model']:<14}{r['method']:<7}{r['precision']:<10}{'8x' + str(r['completion_tokens']):>8}"
-            f"{r['chunk']:>7}{r['estimate_gib']:>14.2f}{r['measured_gib']:>14.2f}{r['ratio']:>10.2f}"
-        )
+    _table(rows)
     out = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "rows": rows}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.json}")

@@ -68,20 +68,25 @@ QWEN_15B = {
 SHAPES = {"qwen0.5b": QWEN_05B, "smollm2-135m": SMOLLM2_135M, "qwen1.5b": QWEN_15B}
 
 
+def model_config(shape: str = "qwen0.5b"):
+    """The transformers config of a shape (SHAPES: Qwen2 for qwen*, Llama for SmolLM2's)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    config_class = Qwen2Config if shape.startswith("qwen") else LlamaConfig
+    return config_class(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def build(folder: Path, shape: str = "qwen0.5b") -> Path:
     """A random-init model of a real model's shape (SHAPES: Qwen2.5-0.5B's by default, SmolLM2-135M's
     as a Llama) and a tokenizer with as many tokens, saved."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     from grpo_cli.models import char_tokenizer
 
-    dims = SHAPES[shape]
-    tok = char_tokenizer(dims["vocab_size"])
-    config_class, model_class = (
-        (Qwen2Config, Qwen2ForCausalLM) if shape.startswith("qwen") else (LlamaConfig, LlamaForCausalLM)
-    )
-    config = config_class(**dims, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    tok = char_tokenizer(SHAPES[shape]["vocab_size"])
+    model_class = Qwen2ForCausalLM if shape.startswith("qwen") else LlamaForCausalLM
+    config = model_config(shape)
     torch.manual_seed(0)
     model = model_class(config)
     model.save_pretrained(folder, safe_serialization=True)
