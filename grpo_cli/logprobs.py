@@ -278,11 +278,16 @@ def _chunk_scores(out: OutputLayer, hidden, targets, temperature, with_entropy, 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype the output layer's matmuls run in: autocast's where it is on (as an autocast
-    F.linear would), else the weight's own."""
+    F.linear would), else the weight's own; fp32 for bf16/fp16 on a CPU without bf16 units, where
+    oneDNN's fallback takes 4-350x fp32's time on these shapes."""
     kind = weight.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return weight.dtype
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+    if kind == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        from grpo_cli.precision import cpu_has_bf16
+
+        if not cpu_has_bf16():  # no bf16 units: a [n, V] @ [V, H] product took 350x fp32's time
+            return torch.float32
+    return dtype
 
 
 def _linear_logits(hidden, weight, bias, softcap):
