@@ -35,7 +35,14 @@ from grpo_cli.models import (
     tested_architecture,
 )
 from grpo_cli.optim import OptimizerStep, build_optimizer
-from grpo_cli.precision import MasterWeights, Precision, resolve_device, resolve_precision, to_weights_dtype
+from grpo_cli.precision import (
+    MasterWeights,
+    Precision,
+    emulation_note,
+    resolve_device,
+    resolve_precision,
+    to_weights_dtype,
+)
 from grpo_cli.rewards import Rewards, RewardSpec, build_rewards
 from grpo_cli.samplers import Sampler, build_sampler
 
@@ -394,6 +401,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     console.print(
         f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
     )
+    if note := emulation_note(precision, device):
+        console.print(note)
     data = build_data(cfg, (train_rows, eval_rows), tokenizer)
     check_group_by(cfg.data.eval_group_by, data.eval, default=DataConfig().eval_group_by)
     wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)

@@ -78,6 +78,32 @@ def test_bf16_with_adapters_keeps_fp32_adapters_under_autocast():
     assert p.name == "bf16" and p.autocast_dtype == torch.bfloat16 and p.weights_dtype is None
 
 
+@pytest.mark.parametrize(
+    "name, adapted, device_type, units, noted",
+    [
+        ("bf16", False, "cpu", False, True),  # bf16 weights, emulated
+        ("bf16", True, "cpu", False, True),  # LoRA: bf16 base under autocast, emulated
+        ("bf16-autocast", False, "cpu", False, True),
+        ("bf16", False, "cpu", True, False),  # AVX512-BF16/AMX: native
+        ("fp32", False, "cpu", False, False),
+        ("bf16", False, "meta", False, False),  # not a CPU: whatever the CPU has
+    ],
+)
+def test_bf16_on_a_cpu_without_bf16_units_is_noted_with_the_faster_choice(
+    monkeypatch, name, adapted, device_type, units, noted
+):
+    """The note that a bf16 run is emulated (50-100x slower matmuls on an AVX2-only EPYC) says
+    which setting and which fix, and appears exactly when the CPU lacks the units."""
+    import grpo_cli.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: units)
+    p = resolve_precision(name, torch.device("cpu"), adapted=adapted)
+    note = precision.emulation_note(p, torch.device(device_type))
+    assert (note is not None) == noted
+    if noted:
+        assert f"trainer.precision={name}" in note and "trainer.precision=auto" in note
+
+
 @pytest.mark.parametrize("name", ["fp16", "bf17"])
 def test_unsupported_precisions_are_refused_with_the_choices(name):
     with pytest.raises(UserError, match="trainer.precision"):
