@@ -11,7 +11,9 @@ Instruct (the default model's offline copy), beta 0.04 or 0, AdamW, the same pro
 reward function. With --device cuda: 8 prompts x 8 x 256 tokens, on SmolLM2 and on a random-init
 model of Qwen2.5-0.5B's shape (scripts/bench_qwen_shape.py builds it), peak GPU memory measured.
 
-Variants (--variants): grpo-cli in fp32 and bf16 (bf16 weights, fp32 masters); TRL in fp32 with
+Variants (--variants): grpo-cli in fp32 and bf16 (bf16 weights, fp32 masters), and on request with
+the whole logits (trainer.logprob_chunk_size=0) and with the layers checkpointed (the "gc" ones:
+trainer.gradient_checkpointing=true, as TRL's default); TRL in fp32 with
 its defaults (gradient checkpointing on) and tuned for the case (checkpointing off), and with
 bf16=True (the dtype TRL's default infers from a bf16 checkpoint such as SmolLM2's: bf16 weights)
 with and without checkpointing (--trl-bf16-cases: the cases that run those); the plain-
@@ -56,6 +58,10 @@ VARIANTS = {
     # before chunking (issue #38): beside the default chunked one for its memory and time.
     "grpo-cli fp32 whole-logits": ("grpo", {"precision": "fp32", "logprob_chunk_size": 0}),
     "grpo-cli bf16 whole-logits": ("grpo", {"precision": "bf16", "logprob_chunk_size": 0}),
+    # The same two with the layers checkpointed (trainer.gradient_checkpointing=true, TRL's default):
+    # what is left of the step's peak beside the weights is then mostly the logits.
+    "grpo-cli fp32 gc": ("grpo", {"precision": "fp32", "gc": True}),
+    "grpo-cli fp32 whole-logits gc": ("grpo", {"precision": "fp32", "logprob_chunk_size": 0, "gc": True}),
     "TRL fp32 defaults": ("trl", {"bf16": False, "gc": True}),
     "TRL fp32 tuned": ("trl", {"bf16": False, "gc": False}),
     "TRL bf16 defaults": ("trl", {"bf16": True, "gc": True}),
@@ -64,6 +70,7 @@ VARIANTS = {
 }
 TRL_FP32, TRL_BF16 = ("TRL fp32 defaults", "TRL fp32 tuned"), ("TRL bf16 defaults", "TRL bf16 tuned")
 WHOLE_LOGITS = ("grpo-cli fp32 whole-logits", "grpo-cli bf16 whole-logits")
+CHECKPOINTED = ("grpo-cli fp32 gc", "grpo-cli fp32 whole-logits gc")
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -151,6 +158,7 @@ def worker_grpo(spec: dict) -> None:
         f"trainer.save_steps={steps + 1}",
         f"trainer.precision={spec['precision']}",
         f"trainer.logprob_chunk_size={spec.get('logprob_chunk_size', 'null')}",
+        f"trainer.gradient_checkpointing={str(spec.get('gc', False)).lower()}",
         f"trainer.device={spec['device']}",
         "trainer.quiet=true",
         f"trainer.seed={spec['seed']}",
@@ -587,7 +595,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--variants",
-        default=",".join(n for n in VARIANTS if n not in TRL_BF16 + WHOLE_LOGITS),
+        default=",".join(n for n in VARIANTS if n not in TRL_BF16 + WHOLE_LOGITS + CHECKPOINTED),
         help="comma-separated variants (default: %(default)s)",
     )
     ap.add_argument(
@@ -696,7 +704,7 @@ def main() -> None:
             if len(wanted) > 1 or model_key != "smollm2":
                 name += f", {model_key}"
             here = list(variants)
-            if ":".join(fields[:2]) in a.trl_bf16_cases.split(","):
+            if trl and ":".join(fields[:2]) in a.trl_bf16_cases.split(","):  # only where TRL runs
                 here += [v for v in TRL_BF16 if v not in here]
             runs: dict[str, list[dict]] = {v: [] for v in here}
             for r in range(rounds):
