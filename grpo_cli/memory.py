@@ -34,8 +34,9 @@ NF4_BYTES = 0.52
 
 # Bytes kept for backward per token and layer, in units of the activation dtype's size:
 # C_H * hidden_size + C_I * intermediate_size (norm inputs, q/k/v, attention output, residuals;
-# the MLP's gate/up/act products). First guesses from the layer's structure, to be calibrated
-# against a measured peak RSS / max_memory_allocated.
+# the MLP's gate/up/act products), from the layer's structure. Checked with saved-tensor hooks at
+# SmolLM2-135M's shape (8 x 1,024 completion tokens): a layer keeps 11,975 floats per token beside
+# its attention mask, against the 11,904 counted here.
 C_H = 10
 C_I = 4
 # Copies of the [rows, completion, vocab] fp32 logits alive at the loss: the logits (their
@@ -367,6 +368,15 @@ def _layer_activation_bytes_per_token(shape: ModelShape, act_bytes: int) -> int:
     return act_bytes * (C_H * shape.hidden_size + C_I * shape.intermediate_size)
 
 
+def _attention_mask_bytes(rows: int, queries: int, keys: int, act_bytes: int) -> int:
+    """One layer's attention mask, kept for its backward. A padded batch (GRPO's completions end at
+    different lengths) gets a boolean [rows, 1, queries, keys] mask, which torch's SDPA converts to
+    the query's dtype on every layer's call and saves: one copy per layer, quadratic in the length
+    (measured with saved-tensor hooks, SmolLM2-135M shape, 8 x (60 + 1,024) tokens: an fp32
+    [8, 1, 1023, 1083] copy in each layer, 34 MiB, 8% of the layer's activations)."""
+    return rows * queries * keys * act_bytes
+
+
 def _logits_bytes(rows: int, completion_length: int, vocab_size: int, chunk_size: int | None = None) -> int:
     """The fp32 completion logits of a micro-batch, LOGITS_COPIES times (logits, gradient);
     chunked (trainer.logprob_chunk_size, logprobs.chunk_tokens; None: auto) one chunk's only."""
@@ -397,20 +407,27 @@ def training_activations(
     _logits_bytes).
 
     Each prompt runs once and its KV cache is shared by its G completions, so the tokens are
-    P*prompt + P*G*completion. With gradient checkpointing the trainer runs every row in full
+    P*prompt + P*G*completion; each layer also keeps its attention mask (_attention_mask_bytes).
+    With gradient checkpointing the trainer runs every row in full
     (P*G*(prompt + completion) tokens: the shared prompt's cache would be recomputed per row), each
     layer keeps only its input (hidden per token) and one layer at a time is recomputed in full.
     """
     act = activation_bytes(precision)
-    tokens = prompts_per_micro_batch * (prompt_length + num_generations * completion_length)
+    rows = prompts_per_micro_batch * num_generations
+    length = prompt_length + completion_length
+    tokens = prompts_per_micro_batch * prompt_length + rows * completion_length
+    # The attention masks: the prompts' pass [P, 1, prompt, prompt], the completions' [rows, 1,
+    # completion, prompt + completion] (or every full row's [rows, 1, length, length]).
+    mask = _attention_mask_bytes(prompts_per_micro_batch, prompt_length, prompt_length, act)
+    mask += _attention_mask_bytes(rows, completion_length, length, act)
     if gradient_checkpointing:
-        tokens = prompts_per_micro_batch * num_generations * (prompt_length + completion_length)
-    full_layer = tokens * _layer_activation_bytes_per_token(shape, act)
+        tokens = rows * length
+        mask = _attention_mask_bytes(rows, length, length, act)
+    full_layer = tokens * _layer_activation_bytes_per_token(shape, act) + mask
     if gradient_checkpointing:
         layers = tokens * shape.num_layers * act * shape.hidden_size + full_layer
     else:
         layers = shape.num_layers * full_layer
-    rows = prompts_per_micro_batch * num_generations
     return layers + _logits_bytes(rows, completion_length, shape.vocab_size, logprob_chunk_size)
 
 

@@ -7,7 +7,8 @@
 
 Per case, a random-init model of a real shape (scripts/bench_qwen_shape.py's SHAPES: SmolLM2-135M,
 Qwen2.5-0.5B, Qwen2.5-1.5B; no hub) trains two steps of the real `grpo-train` in a fresh process
-(the second with AdamW's state alive, as in every later step):
+(the second with AdamW's state alive, as in every later step; --steps 1 where a step is long, compared
+without that state):
 one prompt of the default recipe, 8 completions of exactly --lengths tokens (EOS ignored), beta
 0.04, AdamW, with the precision and trainer.logprob_chunk_size of the case. The measured peak is
 the process's peak resident set (ru_maxrss: the weights, the reference, the gradients and the
@@ -60,13 +61,26 @@ def overrides(precision: str, length: int, chunk: str, method: str) -> list[str]
     return extra + (["adapter=lora"] if method == "lora" else [])
 
 
-def estimate(folder: Path, extra: list[str], method: str) -> dict:
-    """What grpo-check-env --model <folder> <extra> estimates for `method`, in bytes."""
+def estimate(folder: Path, extra: list[str], method: str, steps: int = 2) -> dict:
+    """What grpo-check-env --model <folder> <extra> estimates for `method`, in bytes; for a one-step
+    run without the optimizer's state (AdamW allocates it in the first update, after the peak)."""
     from grpo_cli.cli.check_env import memory_estimate
 
     info = {"cuda_available": False, "bf16_supported": True, "ram_gib": 24.0, "vram_gib": None}
-    est = memory_estimate(str(folder), [*extra, "loss.beta=0.04"], info)
-    return est["methods"][method] | {"prompt_length": est["settings"]["prompt_length"]}
+    full = memory_estimate(str(folder), [*extra, "loss.beta=0.04"], info)
+    est = full["methods"][method] | {"prompt_length": full["settings"]["prompt_length"]}
+    if steps == 1:
+        est["total"] -= est["optimizer"]
+    return est
+
+
+def _parts_gib(est: dict) -> dict:
+    """The estimate's byte terms (weights, gradients, ..., total) in GiB."""
+    return {
+        k: v / 2**30
+        for k, v in est.items()
+        if isinstance(v, int) and not isinstance(v, bool) and k != "prompt_length"
+    }
 
 
 def reestimate(path: Path) -> None:
@@ -75,11 +89,9 @@ def reestimate(path: Path) -> None:
     for r in data["rows"]:
         folder = _shape_folder(ROOT / ".bench", r["model"], weights=False)
         extra = overrides(r["precision"], r["completion_tokens"], r["chunk"], r["method"])
-        est = estimate(folder, extra, r["method"])
+        est = estimate(folder, extra, r["method"], r.get("steps", 2))
         r["estimate_gib"] = est["total"] / 2**30
-        r["estimate_parts_gib"] = {
-            k: v / 2**30 for k, v in est.items() if isinstance(v, int) and not isinstance(v, bool)
-        }
+        r["estimate_parts_gib"] = _parts_gib(est)
         r["ratio"] = r["estimate_gib"] / r["measured_gib"]
     path.write_text(json.dumps(data, indent=1) + "\n")
     _table(data["rows"])
@@ -148,6 +160,14 @@ def main() -> None:
     parser.add_argument(
         "--shapes-dir", default=str(ROOT / ".bench"), help="where the models are built (once)"
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        choices=[1, 2],
+        help="training steps per run (1: where one step is long; compared without AdamW's state, "
+        "which the first update allocates at its end)",
+    )
     parser.add_argument("--json", default=str(ROOT / "docs" / "bench_memory_estimate.json"))
     parser.add_argument("--reestimate", metavar="FILE", help="recompute FILE's estimates; run nothing")
     parser.add_argument(
@@ -169,24 +189,21 @@ def main() -> None:
                 for chunk in args.chunks:
                     method = METHOD[model]
                     extra = overrides(precision, length, chunk, method)
-                    est = estimate(folder, extra, method)
+                    est = estimate(folder, extra, method, args.steps)
                     print(
                         f"[bench] {model} {precision} 8 x {length} chunk {chunk} ({method}) ...", flush=True
                     )
                     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
-                        measured = run(folder, 0.04, 2, Path(tmp) / "run", extra)
+                        measured = run(folder, 0.04, args.steps, Path(tmp) / "run", extra)
                     row = {
                         "model": model,
                         "method": method,
                         "precision": precision,
                         "completion_tokens": length,
                         "chunk": chunk,
+                        "steps": args.steps,
                         "estimate_gib": est["total"] / 2**30,
-                        "estimate_parts_gib": {
-                            k: v / 2**30
-                            for k, v in est.items()
-                            if isinstance(v, int) and not isinstance(v, bool)
-                        },
+                        "estimate_parts_gib": _parts_gib(est),
                         "measured_gib": measured["peak_rss_gb"],
                         "step_s": measured["median_step_s"],
                     }

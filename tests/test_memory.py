@@ -159,27 +159,60 @@ def test_weights_gradients_optimizer_and_reference_terms():
 def test_activation_terms():
     act_fp32 = 4 * (memory.C_H * 10 + memory.C_I * 20)  # per token and layer
     tokens = 2 * 8 + 2 * 4 * 3  # each prompt once, then its 4 completions
+    # per layer: the prompts' [2, 1, 8, 8] and the completions' [8, 1, 3, 8 + 3] attention masks
+    mask = 4 * (2 * 8 * 8 + 8 * 3 * 11)
     logits = 2 * 4 * 3 * 50 * 4 * memory.LOGITS_COPIES
     slack = 1 + memory.ALLOCATOR_SLACK["cpu"]["full"]
+    layers = 2 * (tokens * act_fp32 + mask)
     e = memory.estimate(SHAPE, method="full", **RUN)
-    assert e.activations == int((tokens * 2 * act_fp32 + logits) * slack)
+    assert e.activations == int((layers + logits) * slack)
     assert e.runtime == memory.CPU_RUNTIME_BYTES
     ckpt = memory.estimate(SHAPE, method="full", gradient_checkpointing=True, **RUN)
     rows_tokens = 2 * 4 * (8 + 3)  # checkpointing runs every row in full (no shared prompt)
-    assert ckpt.activations == int((rows_tokens * 2 * 4 * 10 + rows_tokens * act_fp32 + logits) * slack)
+    one_layer = rows_tokens * act_fp32 + 4 * 8 * 11 * 11  # recomputed in full, its [8, 1, 11, 11] mask
+    assert ckpt.activations == int((rows_tokens * 2 * 4 * 10 + one_layer + logits) * slack)
     bf16 = memory.estimate(SHAPE, method="full", precision="bf16", **RUN)
-    assert bf16.activations == int((tokens * 2 * act_fp32 // 2 + logits) * slack)  # logits stay fp32
+    assert bf16.activations == int((layers // 2 + logits) * slack)  # logits stay fp32
     cuda = memory.estimate(SHAPE, method="full", **{**RUN, "device_type": "cuda"})
     assert cuda.runtime == memory.CUDA_RUNTIME_BYTES
-    assert cuda.activations == int(
-        (tokens * 2 * act_fp32 + logits) * (1 + memory.ALLOCATOR_SLACK["cuda"]["full"])
-    )
+    assert cuda.activations == int((layers + logits) * (1 + memory.ALLOCATOR_SLACK["cuda"]["full"]))
     # adapters: nothing as large as the gradients reuses the freed activations (the CPU's slack)
     lora = memory.estimate(SHAPE, method="lora", lora_r=2, **RUN)
-    assert lora.activations == int(
-        (tokens * 2 * act_fp32 + logits) * (1 + memory.ALLOCATOR_SLACK["cpu"]["lora"])
-    )
+    assert lora.activations == int((layers + logits) * (1 + memory.ALLOCATOR_SLACK["cpu"]["lora"]))
     assert lora.activations > e.activations
+
+
+def test_the_attention_mask_term_is_what_a_real_training_forward_keeps():
+    """The estimate's quadratic term against the tensors autograd really saves: a padded batch's
+    boolean mask is converted to the activations' dtype by SDPA in every layer and kept there."""
+    from grpo_cli.logprobs import score_tokens
+
+    config = small_configs()["llama-tied"]
+    config.num_hidden_layers = 3
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    P, G, C = 12, 4, 40
+    torch.manual_seed(0)
+    prompt = torch.randint(3, 100, (1, P)).repeat(G, 1)
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[:, :3] = 0  # left padding
+    completion = torch.randint(3, 100, (G, C))
+    completion_mask = torch.ones_like(completion)
+    completion_mask[0, 30:] = 0  # a completion that ended early
+    masks = {}
+
+    def pack(t):  # the saved [rows, 1, queries, keys] float masks, one entry per storage
+        if t.dim() == 4 and t.shape[1] == 1 and tuple(t.shape[2:]) in ((P, P), (C - 1, P + C - 1)):
+            masks[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        score_tokens(
+            model, prompt, prompt_mask, completion, completion_mask, temperature=1.0, num_generations=G
+        )
+    # the completions' pass scores tokens 1..C-1 (token 0 from the prompt's pass) over P + C - 1 keys
+    completions = memory._attention_mask_bytes(G, C - 1, P + C - 1, 4)
+    prompts = memory._attention_mask_bytes(1, P, P, 4)
+    assert sum(masks.values()) == config.num_hidden_layers * (completions + prompts)
 
 
 def test_activations_are_the_larger_of_training_and_sampling_not_the_sum():
