@@ -259,10 +259,14 @@ def worker_trl(spec: dict) -> None:
     trainer = GRPOTrainer(
         model=spec["model"], reward_funcs=digit_reward, args=args, train_dataset=data, callbacks=[timer]
     )
-    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
+    # The weights before training are read back from the model's file (as worker_grpo does) once the
+    # run is over: a copy kept through the run would add a whole model to TRL's peak memory.
+    from safetensors.torch import load_file
+
     dtype = next(trainer.model.parameters()).dtype
-    moved = moved_fraction(before, {k: v.detach() for k, v in trainer.model.state_dict().items()}, dtype)
+    after = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    moved = moved_fraction(load_file(Path(spec["model"]) / "model.safetensors"), after, dtype)
     w = spec["warmup"]
     logs = timer.logs[w:]
     num_tokens = [entry["num_tokens"] for entry in timer.logs]  # cumulative prompt + completion tokens
