@@ -178,8 +178,23 @@ def test_activation_terms():
     assert cuda.activations == int((layers + logits) * (1 + memory.ALLOCATOR_SLACK["cuda"]["full"]))
     # adapters: nothing as large as the gradients reuses the freed activations (the CPU's slack)
     lora = memory.estimate(SHAPE, method="lora", lora_r=2, **RUN)
-    assert lora.activations == int((layers + logits) * (1 + memory.ALLOCATOR_SLACK["cpu"]["lora"]))
+    live = layers + logits
+    assert lora.activations == live + int(live * memory.ALLOCATOR_SLACK["cpu"]["lora"])
     assert lora.activations > e.activations
+
+
+@pytest.mark.parametrize(
+    "training_gib, device, method, slack_gib",
+    [
+        (1.0, "cpu", "lora", 0.85),  # glibc's heap keeps the freed small blocks: 0.85x
+        (12.5, "cpu", "lora", 2.5),  # ... but hands large ones back: at most 2.5 GiB
+        (12.5, "cpu", "full", 0.0),  # the gradients and AdamW's state reuse the freed activations
+        (12.5, "cuda", "lora", 12.5 * 0.25),  # the caching allocator: no cap (a guess)
+    ],
+)
+def test_allocator_slack(training_gib, device, method, slack_gib):
+    slack = memory.allocator_slack(int(training_gib * GIB), device, method)
+    assert slack == pytest.approx(slack_gib * GIB, rel=1e-9)
 
 
 def test_the_attention_mask_term_is_what_a_real_training_forward_keeps():
