@@ -48,7 +48,7 @@ from bench_qwen_shape import SHAPES, build, model_config, run  # noqa: E402  (on
 METHOD = {"smollm2-135m": "full", "qwen0.5b": "full", "qwen1.5b": "lora"}
 
 
-def overrides(precision: str, length: int, chunk: str, method: str) -> list[str]:
+def overrides(precision: str, length: int, chunk: str, method: str, gc: bool = False) -> list[str]:
     extra = [
         "trainer.prompts_per_step=1",
         "trainer.gradient_accumulation_steps=1",
@@ -57,20 +57,24 @@ def overrides(precision: str, length: int, chunk: str, method: str) -> list[str]
         "sampler.ignore_eos=true",
         f"trainer.precision={precision}",
         f"trainer.logprob_chunk_size={'null' if chunk == 'auto' else chunk}",
+        f"trainer.gradient_checkpointing={str(gc).lower()}",
     ]
     return extra + (["adapter=lora"] if method == "lora" else [])
 
 
 def estimate(folder: Path, extra: list[str], method: str, steps: int = 2) -> dict:
-    """What grpo-check-env --model <folder> <extra> estimates for `method`, in bytes; for a one-step
-    run without the optimizer's state (AdamW allocates it in the first update, after the peak)."""
+    """What grpo-check-env --model <folder> <extra> estimates for `method`, in bytes. A one-step run
+    never holds AdamW's state and a step's activations at once (AdamW allocates its state in the
+    first update, after the backward freed the activations), so its peak is the larger of the two
+    phases: the total less the optimizer's state (the backward's peak, where the activations are
+    large) or less the activations (the update's, where the layers are checkpointed)."""
     from grpo_cli.cli.check_env import memory_estimate
 
     info = {"cuda_available": False, "bf16_supported": True, "ram_gib": 24.0, "vram_gib": None}
     full = memory_estimate(str(folder), [*extra, "loss.beta=0.04"], info)
     est = full["methods"][method] | {"prompt_length": full["settings"]["prompt_length"]}
     if steps == 1:
-        est["total"] -= est["optimizer"]
+        est["total"] -= min(est["optimizer"], est["activations"])
     return est
 
 
@@ -88,7 +92,8 @@ def reestimate(path: Path) -> None:
     data = json.loads(path.read_text())
     for r in data["rows"]:
         folder = _shape_folder(ROOT / ".bench", r["model"], weights=False)
-        extra = overrides(r["precision"], r["completion_tokens"], r["chunk"], r["method"])
+        gc = r.get("gradient_checkpointing", False)
+        extra = overrides(r["precision"], r["completion_tokens"], r["chunk"], r["method"], gc)
         est = estimate(folder, extra, r["method"], r.get("steps", 2))
         r["estimate_gib"] = est["total"] / 2**30
         r["estimate_parts_gib"] = _parts_gib(est)
@@ -141,9 +146,10 @@ def _table(rows) -> None:
         f"{'measured GiB':>14}{'est/meas':>10}"
     )
     for r in rows:
+        chunk = r["chunk"] + (" gc" if r.get("gradient_checkpointing") else "")
         print(
             f"{r['model']:<14}{r['method']:<7}{r['precision']:<10}{'8x' + str(r['completion_tokens']):>8}"
-            f"{r['chunk']:>7}{r['estimate_gib']:>14.2f}{r['measured_gib']:>14.2f}{r['ratio']:>10.2f}"
+            f"{chunk:>7}{r['estimate_gib']:>14.2f}{r['measured_gib']:>14.2f}{r['ratio']:>10.2f}"
         )
 
 
@@ -168,6 +174,11 @@ def main() -> None:
         help="training steps per run (1: where one step is long; compared without AdamW's state, "
         "which the first update allocates at its end)",
     )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="trainer.gradient_checkpointing=true in every run (and its estimate)",
+    )
     parser.add_argument("--json", default=str(ROOT / "docs" / "bench_memory_estimate.json"))
     parser.add_argument("--reestimate", metavar="FILE", help="recompute FILE's estimates; run nothing")
     parser.add_argument(
@@ -188,7 +199,8 @@ def main() -> None:
             for precision in args.precisions:
                 for chunk in args.chunks:
                     method = METHOD[model]
-                    extra = overrides(precision, length, chunk, method)
+                    gc = args.gradient_checkpointing
+                    extra = overrides(precision, length, chunk, method, gc)
                     est = estimate(folder, extra, method, args.steps)
                     print(
                         f"[bench] {model} {precision} 8 x {length} chunk {chunk} ({method}) ...", flush=True
@@ -201,6 +213,7 @@ def main() -> None:
                         "precision": precision,
                         "completion_tokens": length,
                         "chunk": chunk,
+                        "gradient_checkpointing": gc,
                         "steps": args.steps,
                         "estimate_gib": est["total"] / 2**30,
                         "estimate_parts_gib": _parts_gib(est),
