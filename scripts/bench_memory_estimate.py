@@ -7,8 +7,8 @@
 
 Per case, a random-init model of a real shape (scripts/bench_qwen_shape.py's SHAPES: SmolLM2-135M,
 Qwen2.5-0.5B, Qwen2.5-1.5B; no hub) trains two steps of the real `grpo-train` in a fresh process
-(the second with AdamW's state alive, as in every later step; --steps 1 where a step is long, compared
-without that state):
+(the second with AdamW's state alive, as in every later step; --steps 1 where a step is long, whose
+peak is the larger of its backward and its first update: see estimate()):
 one prompt of the default recipe, 8 completions of exactly --lengths tokens (EOS ignored), beta
 0.04, AdamW, with the precision and trainer.logprob_chunk_size of the case. The measured peak is
 the process's peak resident set (ru_maxrss: the weights, the reference, the gradients and the
@@ -171,8 +171,8 @@ def main() -> None:
         type=int,
         default=2,
         choices=[1, 2],
-        help="training steps per run (1: where one step is long; compared without AdamW's state, "
-        "which the first update allocates at its end)",
+        help="training steps per run (1: where one step is long; its estimate holds AdamW's state "
+        "or the activations, not both)",
     )
     parser.add_argument(
         "--gradient-checkpointing",
@@ -192,18 +192,18 @@ def main() -> None:
         out = {"largest": largest(args.largest, args.models, args.precisions, args.chunks)}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         return print(f"wrote {args.json}")
-    rows = []
+    rows, gc = [], args.gradient_checkpointing
     for model in args.models:
         folder = _shape_folder(Path(args.shapes_dir), model)
         for length in args.lengths:
             for precision in args.precisions:
                 for chunk in args.chunks:
                     method = METHOD[model]
-                    gc = args.gradient_checkpointing
                     extra = overrides(precision, length, chunk, method, gc)
                     est = estimate(folder, extra, method, args.steps)
                     print(
-                        f"[bench] {model} {precision} 8 x {length} chunk {chunk} ({method}) ...", flush=True
+                        f"[bench] {model} {precision} 8 x {length} chunk {chunk}{' gc' if gc else ''} ({method}) ...",
+                        flush=True,
                     )
                     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
                         measured = run(folder, 0.04, args.steps, Path(tmp) / "run", extra)
