@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -403,6 +404,9 @@ def step_row(
     rewards = batch.rewards
     trained = r.trained_mask
     return {
+        # A reward's log_metric(name, value) calls (TRL's), the step's mean under the name it gave;
+        # first, so that a name of grpo-cli's own below keeps grpo-cli's value.
+        **{name: statistics.fmean(values) for name, values in sampled.logged.items()},
         "step": step,
         # (nanmean: a completion a reward could not score, Reward.nan_ok, has a NaN total.)
         "reward": float(rewards.nanmean()),

@@ -35,6 +35,7 @@ from grpo_cli.metrics import UpdateStats
 from grpo_cli.optim import OptimizerStep, StepResult
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rewards import Rewards, correctness, passes, score_examples
+from grpo_cli.rewards.scoring import TrainerProgress
 from grpo_cli.rollout import Batch, Rollout, concat, select
 from grpo_cli.samplers import Sampler, draw
 from grpo_cli.selfcheck import compare_logprobs
@@ -66,6 +67,8 @@ class Sampled:
     # Per reward: time/rewards/<name> (seconds; the slowest process's), rewards/<name>/failures and
     # its own counters (a judge's calls, retries, timeouts), summed over processes (score_rewards).
     reward_stats: dict[str, float] = field(default_factory=dict)
+    # What rewards logged with TRL's log_metric this step, every call's value (rewards.score_rewards).
+    logged: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +84,7 @@ class _Scored:
     resampled: int = 0
     rescued: int = 0
     stats: dict[str, float] = field(default_factory=dict)  # score_rewards' per-reward stats
+    logged: dict[str, list[float]] = field(default_factory=dict)  # score_rewards' log_metric values
 
 
 def _merge_stats(into: dict[str, float], stats: dict[str, float]) -> None:
@@ -132,6 +136,7 @@ def sample_and_score(
             num_generations=G,
             sampling=sampling,
             seconds=sampled.seconds,
+            progress=TrainerProgress(global_step=step - 1, max_steps=t.max_steps),  # (steps done, as TRL)
         )
         drawn += len(examples)
         scored = _gather_scored(dist, scored, device, pad_id)
@@ -156,6 +161,8 @@ def sample_and_score(
             sampled.reward_stats[key] = sampled.reward_stats.get(key, 0.0) + value
         for name, column in scored.pool_per_reward.items():
             sampled.per_reward.setdefault(name, []).extend(column)
+        for name, logged in scored.logged.items():
+            sampled.logged.setdefault(name, []).extend(logged)
         keep = ~zero if t.dynamic_sampling else torch.ones_like(zero)
         for g in torch.nonzero(keep).flatten().tolist():
             rows = torch.arange(g * G, (g + 1) * G, device=device)
@@ -185,6 +192,7 @@ def _sample_groups(
     num_generations: int,
     sampling: SamplerConfig,
     seconds: dict[str, float],
+    progress: TrainerProgress,
 ) -> _Scored | None:
     """This rank's prompts (`indices`: their places in the step's draw), a training group of G
     completions each. Round 0 samples G of every prompt. With sampler.max_generations > G
@@ -192,11 +200,12 @@ def _sample_groups(
     rule: rewards.passes) gets G more in the next round, until it has both or max_generations;
     its group is then G of them, balanced (balanced_group). Every process enters every round's
     sampler.sampling() (FSDP2 gathers the weights there), so rounds end on all ranks at once.
-    Adds the seconds spent to `seconds` (rollout, reward)."""
+    Adds the seconds spent to `seconds` (rollout, reward); `progress` is the rewards' trainer_state."""
     G = num_generations
     rounds = (sampling.max_generations or G) // G
     pools: list[list] = [[] for _ in examples]  # per prompt: its rounds' (rollout, totals, per_reward)
     stats: dict[str, float] = {}
+    logged: dict[str, list[float]] = {}
     pending = list(range(len(examples)))
     for round in range(rounds):
         if round:
@@ -217,7 +226,13 @@ def _sample_groups(
         if pending:
             tick = time.perf_counter()
             _, total, per_reward = score_examples(
-                rewards, tokenizer, [examples[j] for j in pending], rollout, stats=stats
+                rewards,
+                tokenizer,
+                [examples[j] for j in pending],
+                rollout,
+                stats=stats,
+                progress=progress,
+                logged=logged,
             )
             seconds["reward"] += time.perf_counter() - tick
             for n, j in enumerate(pending):
@@ -232,7 +247,7 @@ def _sample_groups(
     if not examples:
         return None
     pad_id = tokenizer.pad_token_id
-    groups, scored = [], _Scored(stats=stats)
+    groups, scored = [], _Scored(stats=stats, logged=logged)
     for pool in pools:
         totals, per_reward = _pooled(pool)
         passed = passes(per_reward, totals, judge)
@@ -294,6 +309,8 @@ def _gather_scored(d: Dist, scored: _Scored | None, device, pad_id: int) -> _Sco
         joined.resampled += p.resampled
         joined.rescued += p.rescued
         _merge_stats(joined.stats, p.stats)
+        for name, values in p.logged.items():
+            joined.logged.setdefault(name, []).extend(values)
     return joined
 
 

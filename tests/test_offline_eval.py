@@ -179,3 +179,54 @@ def test_eval_group_by_must_name_a_column_of_the_held_out_rows(tmp_path):
     assert "Traceback" not in out
     assert "data.eval_group_by='nosuch_column' is not a column of the held-out rows" in out
     assert "operation" in out  # the columns it has are named
+
+
+def _saved_checkpoint(tmp_path, *overrides):
+    """A checkpoint folder as grpo-eval reads it: its config.yaml (the saved, resolved config)."""
+    from omegaconf import OmegaConf
+
+    from grpo_cli.cli.common import compose_config
+
+    folder = tmp_path / "step-000001"
+    folder.mkdir()
+    OmegaConf.save(compose_config(["model=tiny", *overrides]), folder / "config.yaml")
+    return str(folder)
+
+
+def test_a_group_override_on_a_checkpoint_replaces_that_section_with_the_preset(tmp_path):
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.config.schema import LossConfig, SamplerConfig
+
+    ckpt = _saved_checkpoint(tmp_path, "sampler.temperature=0.5", "sampler.max_new_tokens=7", "loss=dapo")
+    saved = typed_config([], checkpoint=ckpt)
+    assert (saved.sampler.temperature, saved.loss.loss_type) == (0.5, "dapo")
+    # The issue's example: "Invalid type assigned: str is not a subclass of SamplerConfig" before.
+    cfg = typed_config(["sampler=default", "loss=grpo", "sampler.top_k=3"], checkpoint=ckpt)
+    assert cfg.sampler.temperature == SamplerConfig().temperature  # the preset's, not the saved 0.5
+    assert cfg.sampler.max_new_tokens != 7 and cfg.sampler.top_k == 3  # key=value after the preset
+    assert cfg.loss.loss_type == LossConfig().loss_type
+    assert cfg.model.name_or_path.endswith("step-000001")  # still the checkpoint's model
+
+
+@pytest.mark.parametrize("override", ["+trainer.foo=1", "~loss", "reward=[accuracy]", "experiment=gsm8k"])
+def test_overrides_a_saved_config_cannot_take_are_refused_in_one_paragraph(tmp_path, override):
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.errors import UserError
+
+    with pytest.raises(UserError, match="with --checkpoint these overrides do not apply") as err:
+        typed_config([override], checkpoint=_saved_checkpoint(tmp_path))
+    assert override in str(err.value) and "\n" not in str(err.value)
+
+
+def test_grpo_eval_checks_reward_columns_as_grpo_train_does(tmp_path):
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.cli.eval import evaluate_model
+    from grpo_cli.errors import UserError
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(8))
+    )
+    cfg = typed_config(["model=tiny", "data=jsonl", f"data.path={data}", "data.eval_size=2"])
+    with pytest.raises(UserError, match="has no column 'answer'"):
+        evaluate_model(cfg, samples=0, num_prompts=None, log=lambda *a: None)

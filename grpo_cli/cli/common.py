@@ -35,10 +35,14 @@ def compose_config(
                     "model folder with model.name_or_path=DIR."
                 )
             cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
-            bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~")) or "[" in o]
-            if bad:
-                raise UserError(f"with --checkpoint only key=value overrides apply, not {bad}.")
-            cfg.merge_with_dotlist(overrides)
+            presets, keys = _checkpoint_overrides(overrides)
+            if presets:  # group=option: that section becomes the preset, as grpo-train composes it
+                with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
+                    shipped = compose(config_name="config", overrides=presets)
+                for override in presets:
+                    group = override.split("=", 1)[0]
+                    cfg[group] = shipped[group]
+            cfg.merge_with_dotlist(keys)  # key=value overrides after the presets
             # Evaluating or exporting logs to no tracker (the run's W&B may not be installed or
             # logged in here), and a setting its run ignored (a sweep's adapter.r with adapter=none)
             # stays ignored: neither is a problem for this checkpoint.
@@ -68,6 +72,31 @@ def compose_config(
         if problems:
             raise UserError("invalid configuration: " + " ".join(problems))
     return cfg
+
+
+def _checkpoint_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """A saved config's overrides, split into group=option (a section replaced by its preset) and
+    key=value; a UserError, naming them, for the forms that do not apply to a saved config."""
+    from dataclasses import fields
+
+    groups = [f.name for f in fields(Config)]
+    presets, keys, bad = [], [], []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if "=" not in override or override.startswith(("+", "~")) or "[" in override or key == "experiment":
+            bad.append(override)
+        elif key in groups:
+            presets.append(override)
+        else:
+            keys.append(override)
+    if bad:
+        raise UserError(
+            f"with --checkpoint these overrides do not apply: {', '.join(bad)}. A checkpoint's saved "
+            f"config takes key=value overrides and group=option for one preset of a group "
+            f"({', '.join(groups)}); adding (+) or removing (~) keys, lists and experiment= change "
+            "what the checkpoint was trained with: set the keys you need one by one instead."
+        )
+    return presets, keys
 
 
 def typed_config(overrides: list[str], **kwargs) -> Config:

@@ -34,6 +34,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         build_data,
         build_tokenizer,
         build_wide_eval,
+        check_reward_columns,
         eos_token_ids,
         load_policy,
         read_data,
@@ -55,6 +56,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
     check_quantization(cfg.adapter.quantization, device)
     rows = read_data(cfg)
+    check_reward_columns(rewards, rows[0] + rows[1], cfg.data)  # (as grpo-train, before a model loads)
     source, tokenizer = build_tokenizer(cfg, log)
     log(f"grpo-eval device={device} precision={precision.name} model: {source.description}")
     data = build_data(cfg, rows, tokenizer)

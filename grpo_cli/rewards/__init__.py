@@ -6,7 +6,9 @@ A reward is a plain function with TRL's signature::
 
 ``kwargs`` holds every dataset column as a list (``answer=[...]``), plus
 ``prompts`` and ``completion_ids``, plus the reward's own options from YAML.
-Rewards must accept and ignore unknown keyword arguments.
+Rewards must accept and ignore unknown keyword arguments. A function that names a parameter
+``completions`` is called as TRL calls rewards, all by keyword (and gets ``trainer_state`` and
+``log_metric`` too: scoring.by_keyword, docs/rewards.md).
 
 Completions arrive as TRL passes them (``as_reward_input``): plain strings when
 the dataset's prompts are text, and ``[{"role": "assistant", "content": ...}]``
@@ -50,7 +52,9 @@ from .scoring import (
     clean_up_spaces,
     conversation,
     decode_completions,
+    names_parameter,
     passes,
+    requires_parameter,
     reward_metrics,
     score_examples,
     score_rewards,
@@ -253,6 +257,18 @@ def _check_calls(problems: list[str], where: str, declared: Reward, workers: Any
         problems.append(
             f"{where}.workers={workers}: this reward {kind}; worker processes run a plain synchronous "
             f"function given by import path. Remove {where}.workers"
+        )
+    elif workers and declared.fn is not None and names_parameter(declared.fn, "log_metric"):
+        problems.append(
+            f"{where}.workers={workers}: the function takes log_metric, a callable of the training process "
+            f"that cannot reach worker processes. Remove {where}.workers (the reward then runs in the "
+            "training process), or drop the parameter"
+        )
+    if declared.fn is not None and requires_parameter(declared.fn, "log_extra"):
+        problems.append(
+            f"{where}: the function requires log_extra (TRL's extra columns of the completions table), "
+            "which grpo-cli does not pass yet; give it a default (log_extra=None, as trl.rewards does) or "
+            "drop it, and log a scalar with log_metric instead"
         )
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0

@@ -14,7 +14,8 @@ import math
 import numbers
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.calls import call_with_timeout
@@ -27,8 +28,54 @@ if TYPE_CHECKING:
 
     from grpo_cli.data import Example
 
+#: What TRL passes every reward beyond grpo-cli's own keywords: a reward called by keyword gets
+#: trainer_state and log_metric(name, value) (a scalar in the step's metrics.jsonl row, the mean of
+#: the step's values). TRL's log_extra (extra columns of its completions table) is not passed yet:
+#: a reward that gives it a default (trl.rewards' do) runs with that default.
+TRL_ONLY_KWARGS = ("trainer_state", "log_metric", "log_extra")
+
 #: Keyword arguments the engine passes itself; options may not use these names.
-RESERVED_KWARGS = ("completions", "prompts", "completion_ids", "env_reward")
+RESERVED_KWARGS = ("completions", "prompts", "completion_ids", "env_reward", *TRL_ONLY_KWARGS)
+
+
+@dataclass(frozen=True)
+class TrainerProgress:
+    """What TRL passes a reward as `trainer_state` (its transformers.TrainerState), the fields a
+    reward shaped by training progress reads: the optimizer steps done (`global_step`; 0 before
+    the first, and in grpo-eval) and the run's trainer.max_steps (`max_steps`)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+def by_keyword(fn: Callable) -> bool:
+    """Whether a reward takes TRL's keyword-only call: it names `completions` as a parameter (TRL
+    calls every reward as fn(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+    log_metric=..., log_extra=..., **columns)). Any other function keeps grpo-cli's documented
+    call, fn(completions, **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    named = params.get("completions")
+    return named is not None and named.kind is not inspect.Parameter.VAR_POSITIONAL
+
+
+def requires_parameter(fn: Callable, name: str) -> bool:
+    """Whether fn names `name` as a parameter without a default."""
+    try:
+        param = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def names_parameter(fn: Callable, name: str) -> bool:
+    """Whether fn names `name` as a parameter of its own (not only through **kwargs)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _row_kwargs(kwargs: Mapping[str, Any], data_keys: Sequence[str], i: int) -> dict[str, Any]:
@@ -54,7 +101,7 @@ def _locate_failure(
     failing: list[tuple[int, BaseException]] = []
     for i in range(len(completions)):
         try:
-            spec.fn([completions[i]], **_row_kwargs(kwargs, data_keys, i))
+            invoke(spec.fn, [completions[i]], _row_kwargs(kwargs, data_keys, i))
         except Exception as exc:  # noqa: BLE001 - we only locate; the original is re-raised
             failing.append((i, exc))
     n = len(completions)
@@ -93,6 +140,24 @@ def _hung(spec: RewardSpec, exc: BaseException) -> RewardError:
     )
 
 
+def invoke(fn: Callable, completions: list, kwargs: dict):
+    """One call of a reward function: all by keyword where it names `completions` (TRL's call,
+    by_keyword), else completions first (grpo-cli's documented call)."""
+    if by_keyword(fn):
+        return fn(completions=completions, **kwargs)
+    return fn(completions, **kwargs)
+
+
+def _metric_logger(logged: dict[str, list[float]] | None) -> Callable[[str, float], None]:
+    """TRL's log_metric(name, value): a scalar for the step's metrics (the mean of a step's values)."""
+
+    def log_metric(name: str, value: float) -> None:
+        if logged is not None:
+            logged.setdefault(str(name), []).append(float(value))
+
+    return log_metric
+
+
 def _call(spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str]):
     """One reward's call on the batch: its value list, or an awaitable (an async reward). In a
     pool of worker processes, one call per completion (reward.<name>.workers); else in this
@@ -100,7 +165,9 @@ def _call(spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str
     if spec.pool is not None:
         return spec.pool(completions, [_row_kwargs(kwargs, data_keys, i) for i in range(len(completions))])
     what = f"reward {spec.name!r}"
-    return call_with_timeout(spec.fn, (completions,), spec.call_timeout_s, what, "call_timeout_s", kwargs)
+    return call_with_timeout(
+        invoke, (spec.fn, completions, kwargs), spec.call_timeout_s, what, "call_timeout_s"
+    )
 
 
 async def _timed(awaitable, timeout_s: float | None):
@@ -123,6 +190,8 @@ def score_rewards(
     columns: Mapping[str, list],
     env_reward: list | None = None,
     stats: dict[str, float] | None = None,
+    progress: TrainerProgress | None = None,
+    logged: dict[str, list[float]] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Call every reward once on the batch; return (weighted totals, raw values per reward).
 
@@ -132,7 +201,9 @@ def score_rewards(
     synchronous ones have returned. A NaN from a reward declared nan_ok (a judge that failed under
     on_error=nan) makes the completion's total NaN: its group is then left out of the loss.
     `stats`, when given, gains per reward time/rewards/<name> (seconds), rewards/<name>/failures
-    (its NaNs) and the counters of its pop_metrics().
+    (its NaNs) and the counters of its pop_metrics(). A reward called by keyword (TRL's form,
+    by_keyword) also gets `trainer_state` (`progress`) and, in this process, `log_metric`, whose
+    values `logged` gains (name -> values).
     """
     n = len(completions)
     if not specs:
@@ -159,6 +230,10 @@ def score_rewards(
                 "rename the option or the column"
             )
         kwargs = {**columns, **engine, **spec.options}
+        if by_keyword(spec.fn):  # TRL's call: what TRL passes beyond grpo-cli's keywords
+            kwargs["trainer_state"] = progress or TrainerProgress()
+            if spec.pool is None:  # (a callable cannot reach worker processes: check_rewards refuses)
+                kwargs["log_metric"] = _metric_logger(logged)
         tick = time.perf_counter()
         try:
             result = _call(spec, completions, kwargs, data_keys)
@@ -357,10 +432,18 @@ def conversation(tokenizer, ids, roles) -> list[dict]:
     return messages
 
 
-def score_examples(rewards, tokenizer, examples: list[Example], rollout, stats: dict | None = None):
+def score_examples(
+    rewards,
+    tokenizer,
+    examples: list[Example],
+    rollout,
+    stats: dict | None = None,
+    progress: TrainerProgress | None = None,
+    logged: dict[str, list[float]] | None = None,
+):
     """Rewards of a rollout.Rollout whose rows are its num_generations completions per example, in
-    order; returns (the completions' texts, weighted totals, values per reward). `stats`: as in
-    score_rewards."""
+    order; returns (the completions' texts, weighted totals, values per reward). `stats`,
+    `progress`, `logged`: as in score_rewards."""
     num_generations = rollout.num_generations
     texts = decode_completions(tokenizer, rollout.completion_ids, rollout.attention_mask)
     columns: dict[str, list] = {}
@@ -389,5 +472,7 @@ def score_examples(rewards, tokenizer, examples: list[Example], rollout, stats: 
         columns=columns,
         env_reward=env_reward,
         stats=stats,
+        progress=progress,
+        logged=logged,
     )
     return texts, total, per_reward

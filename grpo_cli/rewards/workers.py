@@ -17,12 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo_cli.calls import call_with_timeout
+from grpo_cli.rewards.scoring import invoke
 
 
 def _one(fn: Callable, completion: Any, kwargs: dict, timeout_s: float | None, what: str):
     """In a worker: fn on one completion (TRL's signature, lists of one), at most timeout_s."""
     try:
-        (value,) = call_with_timeout(fn, ([completion],), timeout_s, what, "call_timeout_s", kwargs)
+        (value,) = call_with_timeout(invoke, (fn, [completion], kwargs), timeout_s, what, "call_timeout_s")
     except TimeoutError as exc:
         return ("timeout", str(exc))
     return ("value", value)
