@@ -1,7 +1,7 @@
 """One process vs two (DDP, FSDP2) on this machine, and what FSDP2's decode loop pays to gather
 the model: a sanity figure on a CPU (two processes share its cores), the real gains need GPUs.
 
-    python scripts/bench_distributed.py [--steps 4] [--json docs/bench_distributed.json]
+    python scripts/bench_distributed.py [--steps 4]     # writes scripts/results/distributed.json
 
 Part 1 trains the default recipe (SmolLM2-135M, 4 prompts x 8 completions) for --steps steps
 with 1 process (all cores), 2 processes with DDP and 2 with FSDP2 (one core each here), the
@@ -12,6 +12,9 @@ Part 2 (under torchrun, 2 processes, FSDP2): the time to gather the whole model 
 (distributed.full_weights, what each rollout and each evaluation pays) against the time of one
 decode step (8 rows, one token each) with the model gathered and with FSDP2 gathering every
 layer inside the forward (what a decode loop without full_weights would pay per token).
+
+The result (harness.write_result; --json elsewhere): one row per training case and one for the
+decode measurement.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["trainer.eval_before=false", "data.eval_size=8", "trainer.save_steps=1000", "trainer.quiet=true"]
@@ -51,8 +56,7 @@ def train(name: str, steps: int, work: Path) -> dict[str, float]:
     res = subprocess.run(cmd + CASES[name], capture_output=True, text=True, env=env, cwd=work)
     if res.returncode:
         raise SystemExit(f"{name} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("step", 0) >= 2 and "step_time" in r]
+    rows = [r for r in harness.rows(run) if r.get("step", 0) >= 2 and "step_time" in r]
     return {p: statistics.median(r[p] for r in rows) for p in PHASES}
 
 
@@ -103,17 +107,19 @@ def gather_worker(out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--json", type=Path, help="write the result here (default scripts/results/distributed.json)"
+    )
     ap.add_argument("--gather-worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gather_worker:
         gather_worker(args.gather_worker)
         return
-    results: dict = {"steps": args.steps, "cpu_cores": os.cpu_count(), "training": {}}
+    training: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in CASES:
-            results["training"][name] = train(name, args.steps, work)
+            training[name] = train(name, args.steps, work)
             print(f"{name}: done", file=sys.stderr, flush=True)
         out = work / "gather.json"
         env = {
@@ -127,24 +133,23 @@ def main() -> None:
         )
         if res.returncode:
             raise SystemExit(f"gather benchmark failed:\n{res.stderr[-4000:]}")
-        results["fsdp_decode"] = json.loads(out.read_text())
+        g = json.loads(out.read_text())
 
-    base = results["training"]["1 process"]["step_time"]
+    base = training["1 process"]["step_time"]
     print(f"\nmedian seconds per step (steps 2-{args.steps}), default recipe, {os.cpu_count()} CPU cores")
     print(f"{'case':<20}" + "".join(f"{p.split('/')[-1]:>11}" for p in PHASES) + f"{'vs 1 proc':>11}")
-    for name, row in results["training"].items():
+    for name, row in training.items():
         print(
             f"{name:<20}" + "".join(f"{row[p]:>11.2f}" for p in PHASES) + f"{row['step_time'] / base:>10.2f}x"
         )
-    g = results["fsdp_decode"]
     print(
         f"\nFSDP2 decode, 2 processes: gather the whole model once {g['gather_whole_model_s'] * 1e3:.1f} ms; "
         f"one decode step {g['decode_step_gathered_s'] * 1e3:.1f} ms gathered vs "
         f"{g['decode_step_sharded_s'] * 1e3:.1f} ms gathering each layer in the forward"
     )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    rows = [{"case": name, "steps": args.steps, **row} for name, row in training.items()]
+    rows.append({"case": "fsdp decode, 2 processes", **g})
+    print(f"wrote {harness.write_result('distributed', rows, path=args.json)}")
 
 
 if __name__ == "__main__":

@@ -16,22 +16,19 @@ tokens after each turn but the last: k*T sampled + (k-1)*R written tokens. Arms,
                   sampler without a session gets)
 
 Each arm runs --repeats times, interleaved (arm after arm, the order rotating), after one
-warm-up of each; medians. Prints a table and writes JSON (--json).
+warm-up of each; medians. Prints a table and writes the result, one row per arm (harness.write_result:
+scripts/results/episodes.json; --json elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
+import harness
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sampler(backend: str, model, tok, precision, max_tokens: int, max_model_len: int):
@@ -115,7 +112,7 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, default=8)
     ap.add_argument("--precision", default="fp32", choices=["fp32"])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", default=str(ROOT / "bench_episodes.json"))
+    ap.add_argument("--json", help="write the result here (default scripts/results/episodes.json)")
     args = ap.parse_args()
 
     from hydra import compose, initialize_config_module
@@ -189,18 +186,8 @@ def main() -> None:
     for r in results:
         row = f"{r['sampler']:<8} {r['turns']:>5} {r['total_tokens']:>6}  {r['arm']:<9}"
         print(f"{row} {r['seconds']:>8.2f} {r['ratio']:>10.2f}x")
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(),
-                "args": vars(args),
-                "rows": results,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {args.json}")
+    notes = f"torch threads {torch.get_num_threads()}"
+    print(f"wrote {harness.write_result('episodes', results, notes=notes, path=args.json)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the judge reward's concurrency buys: the time to score a batch at concurrency 8 and at 1.
 
-    .venv/bin/python scripts/bench_judge.py --out docs/bench_judge.json
+    .venv/bin/python scripts/bench_judge.py          # writes scripts/results/judge.json
 
 A local OpenAI-compatible server (tests/judge_server.py) that takes --latency-s per request (as a
 judge model's generation would) scores --completions completions; the judge (grpo_cli/rewards/
@@ -9,23 +9,22 @@ judge.py) sends them at concurrency 8 and at concurrency 1, the arms alternating
 each, through the step's own path (rewards.score_rewards, its time/rewards/judge). Each arm's judge
 is built (and its HTTP client connected by one warm-up call) before the timed rounds, as in a run,
 where the client lives across steps. Prints a table (median seconds per
-batch, the server's most requests in flight, the ratio) and writes JSON (--out).
+batch, the server's most requests in flight, the ratio) and writes the result, one row per arm
+(harness.write_result; --out elsewhere). The server comes from tests/ (the judge reward's tests
+use the same one), the one reach into another folder's modules.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+import harness
 
+sys.path.insert(0, str(harness.ROOT / "tests"))  # the test suite's judge server
 from judge_server import JudgeServer  # noqa: E402
 
 from grpo_cli.rewards import build_rewards, score_rewards  # noqa: E402
@@ -35,7 +34,7 @@ ARMS = (8, 1)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_judge.json")
+    p.add_argument("--out", type=Path, help="write the result here (default scripts/results/judge.json)")
     p.add_argument("--latency-s", type=float, default=0.2)
     p.add_argument("--completions", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -84,21 +83,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c:>11}  {medians[c]:>9.3f}  {runs:<24}  {in_flight[c]:>13}")
     print(f"concurrency 1 / concurrency 8: {ratio:.2f}x the time (target >= 5x)")
 
-    result = {
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "completions": args.completions,
-        "latency_s": args.latency_s,
-        "repeats": args.repeats,
-        "arms": {
-            f"concurrency_{c}": {"median_s": medians[c], "runs_s": times[c], "max_in_flight": in_flight[c]}
-            for c in ARMS
-        },
-        "ratio_c1_over_c8": ratio,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    rows = [
+        {
+            "concurrency": c,
+            "completions": args.completions,
+            "latency_s": args.latency_s,
+            "repeats": args.repeats,
+            "median_s": medians[c],
+            "runs_s": times[c],
+            "max_in_flight": in_flight[c],
+        }
+        for c in ARMS
+    ]
+    notes = f"concurrency 1 took {ratio:.3f}x the time of concurrency 8 (the rows' median_s; target >= 5x)"
+    print(f"wrote {harness.write_result('judge', rows, notes=notes, path=args.out)}")
     return 0 if ratio >= 5 else 1
 
 

@@ -16,7 +16,8 @@ at the phase's start (the weights, the inputs), after the forward (log-probs and
 and after the backward. --baseline REV runs the same cases on another
 revision of grpo-cli (a temporary git worktree) for a before/after comparison.
 
-Prints a table and writes JSON (--json). A benchmark: nothing is asserted.
+Prints a table and writes the result, one row per case and repeat (harness.write_result:
+scripts/results/logprob_memory.json; --json elsewhere). A benchmark: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
+from bench_qwen_shape import SHAPES  # the model shapes, one source
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_qwen_shape import SHAPES  # noqa: E402  (the model shapes, one source)
 
 
 def _rss_kib(field: str) -> int:
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--baseline", help="a git revision to measure beside this tree (e.g. HEAD~1)")
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per case, alternating trees")
-    parser.add_argument("--json", default=str(ROOT / "docs" / "bench_logprob_memory.json"))
+    parser.add_argument("--json", help="write the result here (default scripts/results/logprob_memory.json)")
     parser.add_argument(
         "--chunks",
         nargs="+",
@@ -208,9 +209,7 @@ def main() -> None:
             f"{r['forward_peak_mib']:>14.0f}{r['phase_peak_mib']:>16.0f}{r['forward_s']:>8.2f}"
             f"{r['forward_backward_s']:>11.2f}"
         )
-    out = {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "rows": rows}
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    print(f"wrote {harness.write_result('logprob_memory', rows, path=args.json)}")
 
 
 if __name__ == "__main__":

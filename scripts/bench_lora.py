@@ -3,7 +3,7 @@
 
     bash scripts/run.sh python scripts/bench_lora.py memory                 # peak RSS and step time
     bash scripts/run.sh python scripts/bench_lora.py accuracy --seeds 0 1 2 # held-out accuracy lift
-    ... --json docs/bench_lora.json   (each part updates its own key of the file)
+    ... --json scripts/results/lora.json   (each part updates its own key of the file)
 
 memory: the default recipe's shape (4 prompts x 8 completions x up to 16 tokens, fp32), beta 0
 and 0.04, full and LoRA, without and with gradient checkpointing, each run by the real
@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 LORA = ["adapter=lora"]  # r=16, alpha=32, all linear layers but the output head (conf/adapter/lora.yaml)
 
@@ -53,8 +55,7 @@ def grpo_train(args: list[str], out: Path) -> tuple[list[dict], float, float, st
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"grpo-train {' '.join(args)} failed (exit {proc.returncode}):\n{stdout[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return rows, usage.ru_maxrss / 2**20, wall, stdout
+    return harness.rows(out), usage.ru_maxrss / 2**20, wall, stdout
 
 
 def longest_prompt() -> int:

@@ -17,10 +17,12 @@ estimate is what `grpo-check-env --model <folder> <the same overrides>` prints f
 run used (cli.check_env.memory_estimate: nothing loaded). Full fine-tuning where it fits this
 machine, LoRA (adapter=lora, r 16) for the 1.5B shape, whose full fine-tuning needs ~30 GB.
 
-Prints a table (estimate, measured, their ratio) and writes JSON (--json). A benchmark: nothing is
-asserted; the ratio is what docs/precision.md reports.
+Prints a table (estimate, measured, their ratio) and writes the result, one row per case
+(harness.write_result: scripts/results/memory_estimate.json, --largest's
+scripts/results/memory_largest.json; --json elsewhere). A benchmark: nothing is asserted; the ratio
+is what docs/precision.md reports.
 
-    ... bench_memory_estimate.py --reestimate docs/bench_memory_estimate.json   # runs nothing
+    ... bench_memory_estimate.py --reestimate scripts/results/memory_estimate.json   # runs nothing
     ... bench_memory_estimate.py --largest 16 --models qwen0.5b --chunks auto 0 # runs nothing
 
 --reestimate FILE recomputes the estimate column of FILE's rows with this tree's grpo_cli.memory
@@ -34,14 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
+import harness
+from bench_qwen_shape import SHAPES, build, model_config, run  # one source for the shapes
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_qwen_shape import SHAPES, build, model_config, run  # noqa: E402  (one source for the shapes)
 
 # Full fine-tuning of the 1.5B shape (fp32 weights, gradients, AdamW, a reference: ~30 GB) does not
 # fit a 24 GiB machine; LoRA is what grpo-check-env recommends there, and what is measured.
@@ -98,7 +99,7 @@ def reestimate(path: Path) -> None:
         r["estimate_gib"] = est["total"] / 2**30
         r["estimate_parts_gib"] = _parts_gib(est)
         r["ratio"] = r["estimate_gib"] / r["measured_gib"]
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")
     _table(data["rows"])
     print(f"re-estimated {path}")
 
@@ -179,7 +180,10 @@ def main() -> None:
         action="store_true",
         help="trainer.gradient_checkpointing=true in every run (and its estimate)",
     )
-    parser.add_argument("--json", default=str(ROOT / "docs" / "bench_memory_estimate.json"))
+    parser.add_argument(
+        "--json",
+        help="write the result here (default scripts/results/memory_estimate.json, memory_largest.json)",
+    )
     parser.add_argument("--reestimate", metavar="FILE", help="recompute FILE's estimates; run nothing")
     parser.add_argument(
         "--largest", type=float, metavar="GIB", help="longest completion within GIB; run nothing"
@@ -189,9 +193,10 @@ def main() -> None:
     if args.reestimate:
         return reestimate(Path(args.reestimate))
     if args.largest:
-        out = {"largest": largest(args.largest, args.models, args.precisions, args.chunks)}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-        return print(f"wrote {args.json}")
+        rows = largest(args.largest, args.models, args.precisions, args.chunks)
+        path = args.json or harness.RESULTS / "memory_largest.json"
+        notes = f"--largest {args.largest:g}: estimates only, nothing run"
+        return print(f"wrote {harness.write_result('memory_estimate', rows, notes=notes, path=path)}")
     rows, gc = [], args.gradient_checkpointing
     for model in args.models:
         folder = _shape_folder(Path(args.shapes_dir), model)
@@ -228,9 +233,7 @@ def main() -> None:
                     )
                     rows.append(row)
     _table(rows)
-    out = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "rows": rows}
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    print(f"wrote {harness.write_result('memory_estimate', rows, path=args.json)}")
 
 
 if __name__ == "__main__":

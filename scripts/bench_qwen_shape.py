@@ -2,7 +2,7 @@
 """One full GRPO step with Qwen2.5-0.5B-Instruct's real architecture, without the hub.
 
     bash scripts/run.sh python scripts/bench_qwen_shape.py               # 2 steps, default recipe shape
-    bash scripts/run.sh python scripts/bench_qwen_shape.py --steps 3 --json docs/bench_qwen_shape.json
+    bash scripts/run.sh python scripts/bench_qwen_shape.py --steps 3     # and --betas, --chunks, --group
 
 Builds a random-init Qwen2 model with the shape of `model=qwen0.5b` (hidden 896, 24 layers, 14
 attention heads, 2 KV heads, intermediate 4864, vocabulary 151,936, tied embeddings, q/k/v
@@ -12,13 +12,13 @@ tokens), saves both as a model folder, and runs the real `grpo-train` on it in a
 0.04; a length reward, since random weights answer nothing right and a step without reward
 spread would skip its update). It shows that a model of this shape trains here (the step-0 self-check included) and
 prints a table of the step time (its phases from the time/* metrics) and the process's peak RSS;
-writes JSON with --json. A benchmark, not a test: nothing is asserted about speed.
+writes the result, one row per run (harness.write_result: scripts/results/qwen_shape.json; --json
+elsewhere). A benchmark, not a test: nothing is asserted about speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN_05B = dict(
@@ -125,8 +127,7 @@ def run(folder: Path, beta: float, steps: int, out: Path, extra: list[str] = ())
             f"grpo-train failed (exit {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         )
     rss_kb = int(next(line.split()[1] for line in res.stdout.splitlines() if line.startswith("@@RSS@@")))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward" in r]
+    rows = [r for r in harness.rows(out) if "reward" in r]
     timed = rows[1:] or rows  # the first step warms up (allocations, kernels)
     med = {
         k: statistics.median(r[k] for r in timed)
@@ -152,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="steps per run (the first is warm-up)")
     parser.add_argument("--betas", default="0,0.04", help="comma-separated loss.beta values")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--json", help="write the result here (default scripts/results/qwen_shape.json)")
     parser.add_argument(
         "--chunks",
         default="auto",
@@ -218,11 +219,8 @@ def main() -> None:
             f"{p['policy']:>7.1f} {p['optimizer']:>9.1f} {r['completion_tokens_per_s']:>6.1f} "
             f"{r['peak_rss_gb']:>11.2f} {str(r['self_check']):>10}"
         )
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"machine": machine, "build_s": build_s, "runs": results}, indent=2)
-        )
-        print(f"wrote {args.json}")
+    notes = f"building the model took {build_s} s (build_s)"
+    print(f"wrote {harness.write_result('qwen_shape', results, notes=notes, path=args.json)}")
 
 
 if __name__ == "__main__":

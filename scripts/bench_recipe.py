@@ -33,6 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 OPERATIONS = ("plus", "minus", "minus_negative", "times")  # data.eval_group_by=kind
 
@@ -46,15 +48,8 @@ def parse_config(text: str) -> tuple[str, list[str]]:
     return name, overrides.split()
 
 
-def read_rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def finished(run: Path, steps: int) -> bool:
-    rows = read_rows(run)
+    rows = harness.rows(run)
     return bool(rows) and (rows[-1].get("step") == steps or (run / "STOPPED_AT_BUDGET").exists())
 
 
@@ -94,7 +89,7 @@ def train(run: Path, overrides: list[str], seed: int, args, threads: int) -> flo
 
 
 def _past_budget(run: Path, budget: int) -> bool:
-    rows = read_rows(run)
+    rows = harness.rows(run)
     if not rows or not (run / "config.yaml").exists():
         return False
     g, used = group_size(run), 0
@@ -140,7 +135,7 @@ def report(configs: list[tuple[str, list[str]]], seeds: list[int], args) -> dict
         per_seed = {}
         for seed in seeds:
             run = args.out / f"{name}-s{seed}"
-            rows = read_rows(run)
+            rows = harness.rows(run)
             if rows and (run / "config.yaml").exists():
                 per_seed[seed] = {"rows": rows, "at": budget_rows(rows, group_size(run), args.budgets)}
         if not per_seed:

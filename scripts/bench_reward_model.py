@@ -2,7 +2,7 @@
 """What a reward model costs on the default recipe: the rewards' time per step and the run's peak
 memory, with and without a reward model, side by side.
 
-    .venv/bin/python scripts/bench_reward_model.py --reward-model DIR --out docs/bench_reward_model.json
+    .venv/bin/python scripts/bench_reward_model.py --reward-model DIR    # writes scripts/results/reward_model.json
 
 Each arm is a fresh grpo-train process (the default recipe: SmolLM2-135M-Instruct, 4 prompts x 8
 completions per step, reward=[accuracy,format]) of --steps steps, the arms alternating, --repeats
@@ -11,15 +11,13 @@ grpo_cli.rewards.model.from_causal_lm from SmolLM2 itself: a 135M-parameter sequ
 weight 0, so both arms sample and train the same completions and differ only in the scoring. Per
 arm: the median over steps of time/reward (the step's scoring) and of time/rewards/<name>, the
 median step time, and the process's peak resident memory (getrusage's ru_maxrss). Prints a table
-and writes JSON (--out).
+and writes the result, one row per run (harness.write_result; --out elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -27,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
 ARMS = ("plain", "model")
 
 
@@ -66,8 +65,7 @@ def run(arm: str, args, folder: Path) -> dict:
     if res.returncode:
         raise SystemExit(f"{arm} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     peak = int(res.stdout.strip().splitlines()[-1].split()[1])
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward" in r]
+    rows = [r for r in harness.rows(folder) if "reward" in r]
     out = {
         "peak_rss_bytes": peak,
         "step_time_s": statistics.median(r["step_time"] for r in rows),
@@ -89,7 +87,9 @@ def main() -> int:
     p.add_argument("--reward-model", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_reward_model.json")
+    p.add_argument(
+        "--out", type=Path, help="write the result here (default scripts/results/reward_model.json)"
+    )
     args = p.parse_args()
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,22 +111,9 @@ def main() -> int:
         )
     ratio = med("model", "peak_rss_bytes") / med("plain", "peak_rss_bytes")
     print(f"peak memory with the reward model / without: {ratio:.2f}")
-    args.out.write_text(
-        json.dumps(
-            {
-                "machine": platform.machine(),
-                "processor": platform.processor(),
-                "reward_model": str(args.reward_model),
-                "steps": args.steps,
-                "repeats": args.repeats,
-                "runs": results,
-                "peak_ratio": ratio,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    print(f"wrote {args.out}")
+    rows = [{"arm": arm, "repeat": i, **r} for arm in ARMS for i, r in enumerate(results[arm])]
+    notes = f"the reward model: {args.reward_model}; peak memory with it / without: {ratio:.3f}"
+    print(f"wrote {harness.write_result('reward_model', rows, notes=notes, path=args.out)}")
     return 0
 
 

@@ -22,7 +22,8 @@ training seeds of step 1 (distributed.prompt_seed); then
 In fp32 both samplers' numerics equal the trainer's to ~1e-5, so their draws must fit the
 trainer's distribution; in bf16 every sampler rounds differently from the trainer's one forward
 (the gap the self-check's bf16 tolerance and TIS allow for), so only vLLM's own-distribution test
-is exact there. Prints a table and writes JSON (--json).
+is exact there. Prints a table and writes the result, one row per case and seed
+(harness.write_result: scripts/results/sampler_draws.json; --json elsewhere).
 
 --emulate-avx2 (vLLM cases): vLLM loads its AVX2 kernels (vllm._C_AVX2, as on an AVX2-only CPU),
 and torch and oneDNN are capped at AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA).
@@ -33,11 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 10  # rank categories: 1..K and beyond
@@ -186,7 +188,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--emulate-avx2", action="store_true")
-    parser.add_argument("--json", default=str(ROOT / "docs" / "bench_sampler_draws.json"))
+    parser.add_argument("--json", help="write the result here (default scripts/results/sampler_draws.json)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the worker's
     args = parser.parse_args()
     if args.case:
@@ -221,9 +223,7 @@ def main() -> None:
             f"{r['vs_trainer']['p']:>11.3g}{r['vs_trainer_first_token']['p']:>9.3g}"
             + (f"{own:>8.3g}" if own is not None else f"{'-':>8}")
         )
-    out = {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "rows": rows}
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    print(f"wrote {harness.write_result('sampler_draws', rows, path=args.json)}")
 
 
 if __name__ == "__main__":

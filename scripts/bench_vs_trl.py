@@ -22,7 +22,8 @@ checkpointing + AdamW, fp32). TRL runs in its own virtual environment with the n
 transformers (.bench/trl-own, created on first use: torch, trl and transformers from PyPI, nothing
 shared with grpo-cli's environment). Each run is a fresh process; the variants alternate in
 rotating order round after round, so drift in machine speed hits all alike. The first step of
-every process is warm-up and not counted. Prints a table and writes JSON (--json).
+every process is warm-up and not counted. Prints a table and writes JSON (scripts/results/vs_trl.json;
+--json elsewhere): this script's own layout, not harness.write_result's.
 
 Per variant and case: step time median/min/max, completion tokens per second, peak memory (CPU:
 the process's ru_maxrss, model loading included; GPU: torch.cuda.max_memory_allocated), the
@@ -46,6 +47,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "@@BENCH@@"
@@ -128,7 +131,7 @@ def emit(result: dict) -> None:
 
 def worker_grpo(spec: dict) -> None:
     """grpo-cli through its real entry point (Hydra config, validation, engine), in-process."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # reward fn: bench_vs_trl:digit_reward
+    # The reward fn bench_vs_trl:digit_reward imports from this script's folder, first on the path.
     from grpo_cli.cli import train
 
     run_dir = Path(spec["tmp"]) / f"grpo-{os.getpid()}"
@@ -169,8 +172,7 @@ def worker_grpo(spec: dict) -> None:
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("step", 0) > spec["warmup"] and "step_time" in r]
+    rows = [r for r in harness.rows(run_dir) if r.get("step", 0) > spec["warmup"] and "step_time" in r]
     import torch
     from safetensors.torch import load_file
 
@@ -580,7 +582,6 @@ def goals(results: dict) -> list[str]:
 
 def build_shape(folder: Path, shape: str) -> Path:
     """A random-init model of a real model's shape (scripts/bench_qwen_shape.py's SHAPES), built once."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_qwen_shape import build
 
     if not (folder / "config.json").is_file():
@@ -618,9 +619,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="uncounted first steps per process")
     ap.add_argument("--floor-rounds", type=int, default=1, help="plain-transformers floor runs per case")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--json", default=str(ROOT / "docs" / "bench_vs_trl.json"), help="where to write the results"
-    )
+    ap.add_argument("--json", default=str(harness.RESULTS / "vs_trl.json"), help="where to write the results")
     ap.add_argument(
         "--trl-venv",
         default=str(ROOT / ".bench" / "trl-own"),
