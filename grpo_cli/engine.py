@@ -111,7 +111,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 sampling=s,
                 loss=cfg.loss,
             )
-            if sampled.rollout is None:  # dynamic sampling found no group with signal: skip the update
+            if sampled.train is None:  # dynamic sampling found no group with signal: skip the update
                 log.print(
                     f"step {step}: every sampled group was zero-std after {t.max_sampling_tries} tries; "
                     "no update (consider harder/easier data or a higher temperature)"
@@ -367,7 +367,7 @@ def _completion_records(
         texts=texts,
         reward_values={
             name: [None if math.isnan(v) else v for v in column]
-            for name, column in zip(sampled.per_reward, values)
+            for name, column in zip(sampled.drawn.names, values)
         },
         totals=floats(batch.rewards[:n]),
         advantages=floats(batch.advantages[:n]),

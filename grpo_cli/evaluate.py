@@ -4,31 +4,17 @@ configured rewards; `evaluate` (grpo-train's eval/ metrics) and grpo-eval report
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
 from grpo_cli.data import Example
 from grpo_cli.environments.episodes import episode_metrics
 from grpo_cli.errors import UserError
-from grpo_cli.rewards import correctness, passes, score_examples
-from grpo_cli.rollout import select
+from grpo_cli.rewards import correctness, score
+from grpo_cli.rollout import select as select_rollout
 from grpo_cli.samplers import draw
-
-
-@dataclass(frozen=True)
-class Graded:
-    """One prompt's completions, scored: per completion the weighted total, whether it passes
-    (rewards.passes), the correctness reward's value (None: none configured, or not applicable)
-    and the completion's length in tokens."""
-
-    example: Example
-    totals: list[float]
-    passed: list[bool]
-    correct: list[float | None]
-    lengths: list[int]
-    # An environment's episodes: their env/* means (environments.episodes.episode_metrics), else {}.
-    env: dict[str, float] = field(default_factory=dict)
+from grpo_cli.scored import Scored, concat
 
 
 def grade(
@@ -40,24 +26,31 @@ def grade(
     num_generations: int = 1,
     greedy: bool = True,
     prompts_per_call: int = 32,
-) -> list[Graded]:
+) -> Scored | None:
     """Each example's `num_generations` completions from `sampler` (a samplers.Sampler; greedy:
-    argmax), `prompts_per_call` prompts to one generate call, scored by `rewards`."""
-    judge = correctness(rewards)
-    out, G = [], num_generations
+    argmax), `prompts_per_call` prompts to one generate call, scored by `rewards` into one record
+    (scored.Scored: rows in example order, prompt_index into `examples`); None without examples."""
+    parts, G = [], num_generations
     with sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
-            rollout = draw(sampler, chunk, num_generations=G, greedy=greedy)
-            _, total, per_reward = score_examples(rewards, tokenizer, chunk, rollout)
-            passed = passes(per_reward, total, judge.name if judge else None)
-            correct = per_reward[judge.name] if judge else [None] * len(total)
-            lengths = rollout.lengths.tolist()
-            for g, ex in enumerate(chunk):
-                rows = slice(g * G, (g + 1) * G)
-                env = episode_metrics(select(rollout, torch.arange(g * G, (g + 1) * G)))
-                out.append(Graded(ex, total[rows], passed[rows], list(correct[rows]), lengths[rows], env))
-    return out
+            scored = score(rewards, tokenizer, chunk, draw(sampler, chunk, num_generations=G, greedy=greedy))
+            parts.append(replace(scored, prompt_index=scored.prompt_index + start))
+    return concat(parts, tokenizer.pad_token_id) if parts else None
+
+
+def env_means(graded: Scored | None) -> tuple[list[str], list[float]]:
+    """An environment's episode metrics (environments.episodes.episode_metrics), each prompt's
+    mean over its group, summed over the prompts: (their names, the sums). Nothing for single-turn."""
+    if graded is None or graded.rollout.episode_stats is None:
+        return [], []
+    G = graded.num_generations
+    per_prompt = [
+        episode_metrics(select_rollout(graded.rollout, torch.arange(g * G, (g + 1) * G)))
+        for g in range(len(graded.totals) // G)
+    ]
+    names = sorted(per_prompt[0])
+    return names, [sum(m[k] for m in per_prompt) for k in names]
 
 
 def evaluate(
@@ -72,35 +65,37 @@ def evaluate(
     group_by: str | None = None,
     groups: list[str] = (),
 ) -> dict[str, float]:
-    """`eval/reward` (weighted total) and `eval/accuracy` (mean of the correctness reward, when
-    one is configured: rewards.correctness) over the examples, one greedy completion each from `sampler` (a
-    samplers.Sampler), `batch_size` prompts at a time.
+    """`eval/reward` (weighted total) and `eval/accuracy` (the accuracy rule, Scored.accuracy:
+    the share of the rows the correctness reward applies to that pass; only when a correctness
+    reward is configured: rewards.correctness) over the examples, one greedy completion each
+    from `sampler` (a samplers.Sampler), `batch_size` prompts at a time.
     With `group_by` (a column) also `eval/accuracy/<value>` for each value in `groups` (the
     same list on every process). `prefix` names the set (eval, eval_wide).
     reduce: sums a list of floats over the processes that evaluate a shard each
     (distributed.Dist.sum): the means are then over every shard."""
     graded = grade(sampler, tokenizer, examples, rewards, prompts_per_call=batch_size)
-    totals = [t for g in graded for t in g.totals]
-    accuracy = [v for g in graded for v in g.correct if v is not None]
-    by_group = {name: [0.0, 0] for name in groups}  # value -> [accuracy sum, count]
-    for g in graded:
-        group = str(g.example.columns.get(group_by)) if group_by else None
-        for v in g.correct:
-            if v is not None and group in by_group:
-                by_group[group][0] += v
+    judged = correctness(rewards) is not None
+    totals = graded.totals.tolist() if graded is not None else []
+    passed, counted = graded.accuracy() if graded is not None else (0, 0)
+    by_group = {name: [0, 0] for name in groups}  # value -> [rows that pass, rows counted]
+    if graded is not None and group_by:
+        for i, (p, a) in enumerate(zip(graded.passed.tolist(), graded.applies.tolist())):
+            group = str(examples[graded.prompt_index[i]].columns.get(group_by))
+            if a and group in by_group:
+                by_group[group][0] += p
                 by_group[group][1] += 1
-    sums = [sum(totals), len(totals), sum(accuracy), len(accuracy)]
+    env_names, env_sums = env_means(graded)
+    sums = [sum(totals), len(totals), passed, counted]
     sums += [x for name in groups for x in by_group[name]]
-    env_names = sorted(graded[0].env) if graded and graded[0].env else []
-    sums += [sum(g.env[k] for g in graded) for k in env_names] + [len(graded)] * bool(env_names)
+    sums += env_sums + [len(totals) // max(graded.num_generations, 1) if graded else 0] * bool(env_names)
     sums = reduce(sums) if reduce else sums
     reward_sum, reward_n, accuracy_sum, accuracy_n = sums[:4]
     out = {f"{prefix}/reward": reward_sum / max(reward_n, 1)}
-    if accuracy_n:
+    if judged and accuracy_n:
         out[f"{prefix}/accuracy"] = accuracy_sum / accuracy_n
     for i, name in enumerate(groups):
         total, n = sums[4 + 2 * i : 6 + 2 * i]
-        if n:
+        if judged and n:
             out[f"{prefix}/accuracy/{name}"] = total / n
     if env_names:  # an environment's episodes (env/tool_call_rate: how often it calls a tool)
         base = 4 + 2 * len(groups)

@@ -391,14 +391,15 @@ def step_row(
     phase: dict[str, float],
 ) -> dict[str, Any]:
     """One training step's metrics row (TRL's names where TRL has one). `batch` is the scored
-    batch trained on (rollout.Batch); `sampled` what dynamic sampling drew in all (step.Sampled:
-    every sampled group's rewards, its zero-std count); `started`: the step's time.perf_counter()
+    batch trained on (rollout.Batch); `sampled` what the step drew in all (step.Sampled: every
+    sampled completion scored, the zero-std count); `started`: the step's time.perf_counter()
     at its start. Token counts are of the trained tokens (Rollout.trained_mask); lengths count
     every completion-side token."""
 
     from grpo_cli.environments.episodes import episode_metrics
-    from grpo_cli.rewards import passes, reward_metrics
+    from grpo_cli.rewards import reward_metrics
 
+    drawn = sampled.drawn  # every completion sampled this step (scored.Scored)
     r, G, step_time = batch.rollout, batch.num_generations, time.perf_counter() - started
     lengths = r.lengths.float()
     rewards = batch.rewards
@@ -406,21 +407,21 @@ def step_row(
     return {
         # A reward's log_metric(name, value) calls (TRL's), the step's mean under the name it gave;
         # first, so that a name of grpo-cli's own below keeps grpo-cli's value.
-        **{name: statistics.fmean(values) for name, values in sampled.logged.items()},
+        **{name: statistics.fmean(values) for name, values in drawn.logged.items()},
         "step": step,
         # (nanmean: a completion a reward could not score, Reward.nan_ok, has a NaN total.)
         "reward": float(rewards.nanmean()),
         "reward_std": float(rewards.view(-1, G).std(-1, unbiased=False).nanmean()),
-        **reward_metrics(sampled.per_reward),
+        **reward_metrics(drawn.per_reward()),
         # Groups left out of the loss because a reward could not score one of their completions.
         "rewards/failed_groups": int(rewards.isnan().view(-1, G).any(-1).sum()),
-        **sampled.reward_stats,
+        **drawn.counters,
         "frac_reward_zero_std": sampled.zero_std_groups / max(sampled.groups, 1),
         "num_groups_sampled": sampled.groups,
         # Every completion sampled this step (adaptive rounds and discarded groups included): the
         # budget runs are compared at. Adaptive group sizes: prompts given more rounds, and those of
         # them whose group then held both a pass and a fail.
-        "num_completions_sampled": sampled.completions,
+        "num_completions_sampled": len(drawn.totals),
         "num_groups_resampled": sampled.resampled_groups,
         "num_groups_rescued": sampled.rescued_groups,
         **updates.row(num_iterations),
@@ -439,5 +440,5 @@ def step_row(
         "tokens_per_second": float(trained.sum()) / step_time,
         # Where the step's time went (seconds); policy = forward+backward of all micro-batches.
         **{f"time/{name}": seconds for name, seconds in phase.items()},
-        "pass_rate_hist": pass_rate_histogram(passes(sampled.per_reward, sampled.totals, sampled.judge), G),
+        "pass_rate_hist": pass_rate_histogram(drawn.passed.tolist(), G),
     }

@@ -12,9 +12,9 @@ with the rollout (Rollout.num_generations). Rule numbers (ref 000.1, ...) are in
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,64 +34,45 @@ from grpo_cli.loss import (
 from grpo_cli.metrics import UpdateStats
 from grpo_cli.optim import OptimizerStep, StepResult
 from grpo_cli.precision import Precision, autocast
-from grpo_cli.rewards import Rewards, correctness, passes, score_examples
+from grpo_cli.rewards import Rewards, score
 from grpo_cli.rewards.scoring import TrainerProgress
-from grpo_cli.rollout import Batch, Rollout, concat, select
+from grpo_cli.rollout import Batch
 from grpo_cli.samplers import Sampler, draw
+from grpo_cli.scored import Scored, merge_rank_counters
+from grpo_cli.scored import concat as concat_scored
+from grpo_cli.scored import select as select_scored
+from grpo_cli.scored import to as scored_to
 from grpo_cli.selfcheck import compare_logprobs
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampled:
-    """One step's sampling: the groups to train on (rollout, None when dynamic sampling kept no
-    group) with their rows' rewards, and what was drawn in all: every sampled completion's
-    per-reward values and totals (adaptive rounds and discarded groups included), how many
-    prompts, how many of their groups zero-std, how many completions, what adaptive group sizes
-    did (prompts given more rounds, and of them those whose group then carried signal), and the
-    seconds spent sampling and scoring."""
+    """One step's sampling, as scored records (scored.Scored): the groups to train on (`train`,
+    None when dynamic sampling kept no group) and every completion drawn (`drawn`: adaptive rounds
+    and discarded groups included, with the rewards' time, counters and log_metric values), the
+    examples drawn (prompt_index points into them), how many groups and how many of them zero-std,
+    what adaptive group sizes did (prompts given more rounds, and of them those whose group then
+    carried signal), and the seconds spent sampling and scoring."""
 
-    rollout: Rollout | None
-    rewards: torch.Tensor | None = None  # [N] the training rows' weighted totals
-    reward_values: torch.Tensor | None = None  # [N, R] their per-reward values, None as NaN
-    prompt_index: torch.Tensor | None = None  # [N] their prompts, indices into `examples`
-    judge: str | None = None  # the correctness reward's name (the pass rule), rewards.correctness
-    per_reward: dict[str, list] = field(default_factory=dict)
-    totals: list[float] = field(default_factory=list)
+    train: Scored | None
+    drawn: Scored
+    examples: tuple = ()  # every drawn example, in order
     groups: int = 0
     zero_std_groups: int = 0
-    completions: int = 0
     resampled_groups: int = 0
     rescued_groups: int = 0
-    examples: list = field(default_factory=list)  # every drawn example, in order
-    seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "reward": 0.0})
-    # Per reward: time/rewards/<name> (seconds; the slowest process's), rewards/<name>/failures and
-    # its own counters (a judge's calls, retries, timeouts), summed over processes (score_rewards).
-    reward_stats: dict[str, float] = field(default_factory=dict)
-    # What rewards logged with TRL's log_metric this step, every call's value (rewards.score_rewards).
-    logged: dict[str, list[float]] = field(default_factory=dict)
+    seconds: Mapping[str, float] = field(default_factory=lambda: {"rollout": 0.0, "reward": 0.0})
 
 
-@dataclass
-class _Scored:
-    """One rank's sampled prompts: the rollout of their training groups (G rows each) with those
-    rows' totals and per-reward values, and every completion sampled (the pool: all rounds)."""
+@dataclass(frozen=True)
+class _Groups:
+    """One rank's sampled prompts: their training groups (G rows each) and every completion
+    drawn for them (all rounds), both scored; how many prompts took more rounds, and were rescued."""
 
-    rollout: Rollout | None = None
-    totals: list[float] = field(default_factory=list)
-    per_reward: dict[str, list] = field(default_factory=dict)
-    pool_totals: list[float] = field(default_factory=list)
-    pool_per_reward: dict[str, list] = field(default_factory=dict)
+    train: Scored
+    drawn: Scored
     resampled: int = 0
     rescued: int = 0
-    stats: dict[str, float] = field(default_factory=dict)  # score_rewards' per-reward stats
-    logged: dict[str, list[float]] = field(default_factory=dict)  # score_rewards' log_metric values
-
-
-def _merge_stats(into: dict[str, float], stats: dict[str, float]) -> None:
-    """Per-reward stats added up: counters summed, seconds (time/...) the larger (processes score
-    side by side)."""
-    for key, value in stats.items():
-        into[key] = max(into.get(key, 0.0), value) if key.startswith("time/") else into.get(key, 0.0) + value
 
 
 def sample_and_score(
@@ -117,164 +98,121 @@ def sample_and_score(
     processes each rank samples and scores its shard of the prompts, and the scored rollouts are
     gathered: every rank then holds the whole step, in the order one process would have it."""
     t, G, pad_id = trainer, sampling.num_generations, tokenizer.pad_token_id
-    judge = correctness(rewards)
-    sampled = Sampled(rollout=None, judge=judge.name if judge else None)
-    kept, drawn = [], 0  # kept: (rollout, rewards, reward values, prompt index) of each group kept
+    progress = TrainerProgress(global_step=step - 1, max_steps=t.max_steps)  # (steps done, as TRL)
+    seconds = {"rollout": 0.0, "reward": 0.0}
+    kept: list[Scored] = []  # each group kept, G rows
+    drawn: list[Scored] = []  # each try's every completion
+    examples: list = []
+    zero_groups = resampled = rescued = 0
     for _ in range(t.max_sampling_tries if t.dynamic_sampling else 1):
-        examples = stream.take(t.prompts_per_step - len(kept))  # the same on every rank
-        mine = list(shard(len(examples), dist.rank, dist.world_size))
-        scored = _sample_groups(
+        batch = stream.take(t.prompts_per_step - len(kept))  # the same on every rank
+        mine = list(shard(len(batch), dist.rank, dist.world_size))
+        groups = _sample_groups(
             step,
-            [examples[i] for i in mine],
-            [drawn + i for i in mine],
-            sampler=sampler,
-            rewards=rewards,
-            tokenizer=tokenizer,
-            dist=dist,
-            judge=sampled.judge,
-            seed=t.seed,
-            num_generations=G,
-            sampling=sampling,
-            seconds=sampled.seconds,
-            progress=TrainerProgress(global_step=step - 1, max_steps=t.max_steps),  # (steps done, as TRL)
+            [batch[i] for i in mine],
+            [len(examples) + i for i in mine],
+            context=_Context(sampler, rewards, tokenizer, dist, sampling, t.seed, progress),
+            seconds=seconds,
         )
-        drawn += len(examples)
-        scored = _gather_scored(dist, scored, device, pad_id)
-        totals = torch.tensor(scored.totals, dtype=torch.float32, device=device)  # [n*G]
-        values = torch.tensor(  # [n*G, R], None as NaN
-            [[math.nan if v is None else v for v in column] for column in scored.per_reward.values()],
-            dtype=torch.float32,
-            device=device,
-        ).T
-        index = torch.arange(
-            len(sampled.examples), len(sampled.examples) + len(examples), device=device
-        ).repeat_interleave(G)  # [n*G]
-        sampled.examples += examples
-        zero = zero_std_groups(totals, G, std=loss.std, zero_std_threshold=loss.zero_std_threshold)
-        sampled.zero_std_groups += int(zero.sum())
-        sampled.groups += len(examples)
-        sampled.totals += scored.pool_totals
-        sampled.completions += len(scored.pool_totals)
-        sampled.resampled_groups += scored.resampled
-        sampled.rescued_groups += scored.rescued
-        for key, value in scored.stats.items():
-            sampled.reward_stats[key] = sampled.reward_stats.get(key, 0.0) + value
-        for name, column in scored.pool_per_reward.items():
-            sampled.per_reward.setdefault(name, []).extend(column)
-        for name, logged in scored.logged.items():
-            sampled.logged.setdefault(name, []).extend(logged)
+        groups = _gather(dist, groups, device, pad_id)
+        # [n*G] float32, the totals the loss's advantages are computed from
+        zero = zero_std_groups(
+            groups.train.totals.float(), G, std=loss.std, zero_std_threshold=loss.zero_std_threshold
+        )
+        zero_groups += int(zero.sum())
+        resampled, rescued = resampled + groups.resampled, rescued + groups.rescued
+        drawn.append(groups.drawn)
         keep = ~zero if t.dynamic_sampling else torch.ones_like(zero)
         for g in torch.nonzero(keep).flatten().tolist():
-            rows = torch.arange(g * G, (g + 1) * G, device=device)
-            kept.append((select(scored.rollout, rows), totals[rows], values[rows], index[rows]))
+            kept.append(select_scored(groups.train, torch.arange(g * G, (g + 1) * G, device=device)))
+        examples += batch
         if len(kept) >= t.prompts_per_step:
             break
-    if kept:
-        kept = kept[: t.prompts_per_step]
-        sampled.rollout = concat([k[0] for k in kept], pad_id)
-        sampled.rewards, sampled.reward_values, sampled.prompt_index = (
-            torch.cat([k[i] for k in kept]) for i in (1, 2, 3)
-        )
-    return sampled
+    return Sampled(
+        train=concat_scored(kept[: t.prompts_per_step], pad_id) if kept else None,
+        drawn=concat_scored(drawn, pad_id),
+        examples=tuple(examples),
+        groups=len(examples),
+        zero_std_groups=zero_groups,
+        resampled_groups=resampled,
+        rescued_groups=rescued,
+        seconds=seconds,
+    )
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What sampling and scoring a rank's prompts reads (the step's fixed parts)."""
+
+    sampler: Sampler
+    rewards: Rewards
+    tokenizer: object
+    dist: Dist
+    sampling: SamplerConfig
+    seed: int
+    progress: TrainerProgress
 
 
 def _sample_groups(
-    step: int,
-    examples,
-    indices,
-    *,
-    sampler: Sampler,
-    rewards: Rewards,
-    tokenizer,
-    dist: Dist,
-    judge: str | None,
-    seed: int,
-    num_generations: int,
-    sampling: SamplerConfig,
-    seconds: dict[str, float],
-    progress: TrainerProgress,
-) -> _Scored | None:
-    """This rank's prompts (`indices`: their places in the step's draw), a training group of G
-    completions each. Round 0 samples G of every prompt. With sampler.max_generations > G
-    (adaptive group sizes), a prompt whose completions so far all pass or all fail (the pass
-    rule: rewards.passes) gets G more in the next round, until it has both or max_generations;
-    its group is then G of them, balanced (balanced_group). Every process enters every round's
-    sampler.sampling() (FSDP2 gathers the weights there), so rounds end on all ranks at once.
-    Adds the seconds spent to `seconds` (rollout, reward); `progress` is the rewards' trainer_state."""
-    G = num_generations
-    rounds = (sampling.max_generations or G) // G
-    pools: list[list] = [[] for _ in examples]  # per prompt: its rounds' (rollout, totals, per_reward)
-    stats: dict[str, float] = {}
-    logged: dict[str, list[float]] = {}
+    step: int, examples, indices, *, context: _Context, seconds: dict[str, float]
+) -> _Groups | None:
+    """This rank's prompts (`indices`: their places in the step's draw, which the rows'
+    prompt_index holds), a training group of G completions each. Round 0 samples G of every
+    prompt. With sampler.max_generations > G (adaptive group sizes), a prompt whose completions so
+    far all pass or all fail (the pass rule: rewards.passes) gets G more in the next round, until
+    it has both or max_generations; its group is then G of them, balanced (balanced_group). Every
+    process enters every round's sampler.sampling() (FSDP2 gathers the weights there), so rounds
+    end on all ranks at once. Adds the seconds spent to `seconds` (rollout, reward)."""
+    c = context
+    G = c.sampling.num_generations
+    rounds = (c.sampling.max_generations or G) // G
+    pools: list[list[Scored]] = [[] for _ in examples]  # per prompt: its rounds' rows, scored
+    scored_rounds: list[Scored] = []  # each round's whole record: its counters
     pending = list(range(len(examples)))
     for round in range(rounds):
         if round:
-            pending = [j for j in pending if not _mixed(pools[j], judge)]
-            if not dist.any(bool(pending)):
+            pending = [j for j in pending if not _mixed(pools[j])]
+            if not c.dist.any(bool(pending)):
                 break
         tick = time.perf_counter()
-        with sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
+        with c.sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
             if pending:
                 rollout = draw(
-                    sampler,
+                    c.sampler,
                     [examples[j] for j in pending],
-                    seeds=[prompt_seed(seed, step, indices[j], round) for j in pending],
+                    seeds=[prompt_seed(c.seed, step, indices[j], round) for j in pending],
                     num_generations=G,
-                    ignore_eos=sampling.ignore_eos,
+                    ignore_eos=c.sampling.ignore_eos,
                 )
         seconds["rollout"] += time.perf_counter() - tick
         if pending:
             tick = time.perf_counter()
-            _, total, per_reward = score_examples(
-                rewards,
-                tokenizer,
-                [examples[j] for j in pending],
-                rollout,
-                stats=stats,
-                progress=progress,
-                logged=logged,
-            )
+            scored = score(c.rewards, c.tokenizer, [examples[j] for j in pending], rollout, c.progress)
             seconds["reward"] += time.perf_counter() - tick
+            scored_rounds.append(scored)
             for n, j in enumerate(pending):
-                rows = slice(n * G, (n + 1) * G)
-                pools[j].append(
-                    (
-                        select(rollout, torch.arange(n * G, (n + 1) * G)),
-                        total[rows],
-                        {name: values[rows] for name, values in per_reward.items()},
-                    )
-                )
+                rows = select_scored(scored, torch.arange(n * G, (n + 1) * G))
+                pools[j].append(replace(rows, prompt_index=torch.full_like(rows.prompt_index, indices[j])))
     if not examples:
         return None
-    pad_id = tokenizer.pad_token_id
-    groups, scored = [], _Scored(stats=stats, logged=logged)
+    pad_id = c.tokenizer.pad_token_id
+    groups, pooled, resampled, rescued = [], [], 0, 0
     for pool in pools:
-        totals, per_reward = _pooled(pool)
-        passed = passes(per_reward, totals, judge)
-        chosen = balanced_group(passed, G)
-        joined = concat([r for r, _, _ in pool], pad_id)  # the prompt's rounds: groups of G
-        groups.append(select(joined, torch.tensor(chosen), num_generations=G))
-        scored.totals += [totals[i] for i in chosen]
-        for name, values in per_reward.items():
-            scored.per_reward.setdefault(name, []).extend(values[i] for i in chosen)
-            scored.pool_per_reward.setdefault(name, []).extend(values)
-        scored.pool_totals += totals
-        scored.resampled += len(pool) > 1
-        scored.rescued += len(pool) > 1 and len(set(passed)) == 2
-    scored.rollout = concat(groups, pad_id)
-    return scored
+        joined = concat_scored(pool, pad_id)  # the prompt's rounds: groups of G
+        passed = joined.passed.tolist()
+        groups.append(select_scored(joined, torch.tensor(balanced_group(passed, G)), num_generations=G))
+        pooled.append(joined)
+        resampled += len(pool) > 1
+        rescued += len(pool) > 1 and len(set(passed)) == 2
+    counters = concat_scored(scored_rounds, pad_id)  # (only its counters and logged values are read)
+    drawn = replace(concat_scored(pooled, pad_id), counters=counters.counters, logged=counters.logged)
+    return _Groups(concat_scored(groups, pad_id), drawn, resampled, rescued)
 
 
-def _pooled(pool: list) -> tuple[list[float], dict[str, list]]:
-    """A prompt's rounds joined: every completion's total and per-reward values, in sampling order."""
-    totals = [v for _, round_totals, _ in pool for v in round_totals]
-    return totals, {name: [v for _, _, pr in pool for v in pr[name]] for name in pool[0][2]}
-
-
-def _mixed(pool: list, judge: str | None) -> bool:
+def _mixed(pool: list[Scored]) -> bool:
     """Whether a prompt's completions so far hold both a pass and a fail."""
-    totals, per_reward = _pooled(pool)
-    return len(set(passes(per_reward, totals, judge))) == 2
+    passed = torch.cat([p.passed for p in pool])
+    return bool(passed.any()) and not bool(passed.all())
 
 
 def balanced_group(passed: list[bool], G: int) -> list[int]:
@@ -291,27 +229,23 @@ def balanced_group(passed: list[bool], G: int) -> list[int]:
     return sorted(wins[:k] + fails[: G - k])
 
 
-def _gather_scored(d: Dist, scored: _Scored | None, device, pad_id: int) -> _Scored:
-    """Every rank's _Scored, joined in rank order (= prompt order)."""
+def _gather(d: Dist, groups: _Groups | None, device, pad_id: int) -> _Groups:
+    """Every rank's groups, joined in rank order (= prompt order); the rewards' seconds are the
+    slowest rank's, their counters summed."""
     if not d.enabled:
-        return scored
-    if scored is not None:
-        scored.rollout = scored.rollout.to("cpu")
-    parts = [p for p in d.gather(scored) if p is not None]
-    joined = _Scored(concat([p.rollout for p in parts], pad_id).to(device))
-    for p in parts:
-        joined.totals += p.totals
-        joined.pool_totals += p.pool_totals
-        for name, values in p.per_reward.items():
-            joined.per_reward.setdefault(name, []).extend(values)
-        for name, values in p.pool_per_reward.items():
-            joined.pool_per_reward.setdefault(name, []).extend(values)
-        joined.resampled += p.resampled
-        joined.rescued += p.rescued
-        _merge_stats(joined.stats, p.stats)
-        for name, values in p.logged.items():
-            joined.logged.setdefault(name, []).extend(values)
-    return joined
+        return groups
+    if groups is not None:
+        groups = _Groups(
+            scored_to(groups.train, "cpu"), scored_to(groups.drawn, "cpu"), groups.resampled, groups.rescued
+        )
+    parts = [p for p in d.gather(groups) if p is not None]
+    drawn = concat_scored([p.drawn for p in parts], pad_id)
+    return _Groups(
+        scored_to(concat_scored([p.train for p in parts], pad_id), device),
+        scored_to(replace(drawn, counters=merge_rank_counters([p.drawn.counters for p in parts])), device),
+        sum(p.resampled for p in parts),
+        sum(p.rescued for p in parts),
+    )
 
 
 def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[int, int], bool]:
@@ -319,21 +253,23 @@ def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[i
     (ref 002, 004) and the loss mask (the trained tokens, less truncated completions under
     loss.mask_truncated_completions); and the step's loss normalisers (num_sequences,
     num_tokens) and whether it has any learning signal."""
-    r, G = sampled.rollout, sampled.rollout.num_generations
+    train = sampled.train
+    r, G = train.rollout, train.num_generations
+    rewards = train.totals.float()  # [N] the loss's rewards are fp32
     # A NaN total: a reward could not score that completion (Reward.nan_ok, e.g. a judge under
     # on_error=nan). Its whole group is left out: advantages 0 (as a zero-std group) and no trained
     # token, so it adds nothing to the loss, the KL or the normalisers.
-    failed = sampled.rewards.isnan().view(-1, G).any(-1).repeat_interleave(G)  # [N]
-    adv, zero_std, group_std = group_advantages(sampled.rewards.nan_to_num(0.0) * ~failed, G, cfg=lo)
+    failed = rewards.isnan().view(-1, G).any(-1).repeat_interleave(G)  # [N]
+    adv, zero_std, group_std = group_advantages(rewards.nan_to_num(0.0) * ~failed, G, cfg=lo)
     loss_mask = r.trained_mask.clone()  # [N, C]
     loss_mask[failed] = 0
     if lo.mask_truncated_completions:
         loss_mask[r.truncated] = 0
     batch = Batch(
         rollout=r,
-        rewards=sampled.rewards,
-        reward_values=sampled.reward_values,
-        prompt_index=sampled.prompt_index,
+        rewards=rewards,
+        reward_values=train.values.float(),
+        prompt_index=train.prompt_index,
         advantages=adv.to(device),
         zero_std=zero_std.to(device),
         group_std=group_std.to(device),

@@ -142,3 +142,30 @@ def pytest_configure(config):
 
         torch.set_num_threads(1)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def scored_rows(rollout, totals, per_reward=None):
+    """A scored.Scored of a rollout with given totals ([N] floats, NaN: could not score) and
+    per-reward values (name -> [N] floats or None; default: one reward "x" equal to the totals);
+    the pass rule: total > 0 (no correctness reward)."""
+    import math
+
+    import torch
+
+    from grpo_cli.scored import Scored
+
+    totals = [float(t) for t in totals]
+    per_reward = per_reward or {"x": totals}
+    G = rollout.num_generations
+    return Scored(
+        rollout=rollout,
+        names=tuple(per_reward),
+        values=torch.tensor(
+            [[math.nan if v is None else v for v in column] for column in per_reward.values()],
+            dtype=torch.float64,
+        ).T,
+        totals=torch.tensor(totals, dtype=torch.float64),
+        passed=torch.tensor([t > 0 for t in totals]),
+        applies=torch.ones(len(totals), dtype=torch.bool),
+        prompt_index=torch.arange(len(totals) // G).repeat_interleave(G),
+    )

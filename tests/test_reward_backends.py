@@ -185,6 +185,8 @@ def test_nan_is_an_error_unless_the_reward_may_fail_then_it_counts():
 def test_a_group_with_a_nan_reward_is_left_out_of_the_loss():
     """advantages(): the group holding a NaN total gets advantages 0 and no trained token; the
     other groups' advantages are what they would be without it."""
+    from conftest import scored_rows
+
     from grpo_cli.config.schema import LossConfig
     from grpo_cli.rollout import Rollout
     from grpo_cli.step import Sampled, advantages
@@ -200,15 +202,14 @@ def test_a_group_with_a_nan_reward_is_left_out_of_the_loss():
         truncated=torch.zeros(6, dtype=torch.bool),
         num_generations=G,
     )
-    rewards = torch.tensor([1.0, 0.0, float("nan"), 1.0, 0.0, 1.0])
+    rewards = scored_rows(rollout, [1.0, 0.0, float("nan"), 1.0, 0.0, 1.0])
     batch, (sequences, tokens), signal = advantages(
-        Sampled(rollout=rollout, rewards=rewards), LossConfig(), "cpu"
+        Sampled(train=rewards, drawn=rewards), LossConfig(), "cpu"
     )
     assert batch.advantages[2:4].tolist() == [0.0, 0.0] and batch.loss_mask[2:4].sum() == 0
     assert batch.zero_std[2:4].all() and signal
-    clean, _, _ = advantages(
-        Sampled(rollout=rollout, rewards=torch.tensor([1.0, 0, 0, 0, 0, 1])), LossConfig(), "cpu"
-    )
+    clean_rows = scored_rows(rollout, [1.0, 0, 0, 0, 0, 1])
+    clean, _, _ = advantages(Sampled(train=clean_rows, drawn=clean_rows), LossConfig(), "cpu")
     assert batch.advantages[[0, 1, 4, 5]].tolist() == clean.advantages[[0, 1, 4, 5]].tolist()
     assert tokens == 4 * C and sequences == 4
 

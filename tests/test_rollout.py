@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import scored_rows
 
 from grpo_cli import selfcheck, step
 from grpo_cli.config import LossConfig
@@ -168,7 +169,8 @@ def test_a_hole_in_the_trained_tokens_is_attended_and_counted_by_no_consumer(tin
 def test_the_hole_is_left_out_of_the_logged_stats(tiny):
     model, tok = tiny
     r = _holed(model, tok, garbage=-30.0)
-    sampled = step.Sampled(rollout=r, per_reward={"x": [1.0, 0.0, 0.0, 1.0]}, totals=[1.0, 0, 0, 1.0])
+    rows = scored_rows(r, [1.0, 0, 0, 1.0])
+    sampled = step.Sampled(train=rows, drawn=rows)
     updates = step.UpdateStats()
     updates.update(0.0, 1.0)  # one optimizer step's loss and gradient norm
     row = step_row(1, _batch(r), sampled, updates, 1, 1e-3, time.perf_counter() - 1.0, {})

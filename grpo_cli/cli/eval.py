@@ -98,12 +98,21 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
                 prompts_per_call=max(1, 64 // group),
             )
 
-        def per_group(name: str, graded: list, G: int = 1) -> None:  # e.g. greedy_accuracy/minus
-            for value in group_values([g.example for g in graded], by):
-                hits = [sum(g.passed) for g in graded if str(g.example.columns.get(by)) == value]
-                result[f"{name}/{value}"] = sum(hits) / (G * len(hits))
+        def per_group(name: str, graded, examples, G: int = 1) -> None:  # e.g. greedy_accuracy/minus
+            """The accuracy rule per value of data.eval_group_by; pass@G: a prompt with any pass."""
+            kinds = [str(examples[i].columns.get(by)) for i in graded.prompt_index.tolist()]
+            passed, applies = graded.passed.tolist(), graded.applies.tolist()
+            for value in group_values(examples, by):
+                rows = [i for i, kind in enumerate(kinds) if kind == value and applies[i]]
+                result[f"{name}/{value}"] = sum(passed[i] for i in rows) / len(rows) if rows else 0.0
                 if G > 1:
-                    result[f"pass@{G}/{value}"] = sum(1 for h in hits if h > 0) / len(hits)
+                    prompts = {i // G for i in rows}
+                    hits = {i // G for i in rows if passed[i]}
+                    result[f"pass@{G}/{value}"] = len(hits) / len(prompts) if prompts else 0.0
+
+        def accuracy(graded) -> float:
+            right, counted = graded.accuracy()
+            return right / counted if counted else 0.0
 
         t0 = time.perf_counter()
         greedy = run(1, True)
@@ -111,43 +120,39 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
             "model": source.description + (f" + LoRA adapter {cfg.adapter.path}" if cfg.adapter.path else ""),
             "num_prompts": len(examples),
             "pass_metric": judge.name if judge else "reward>0",
-            "greedy_accuracy": sum(g.passed[0] for g in greedy) / len(examples),
-            "greedy_reward": sum(g.totals[0] for g in greedy) / len(greedy),
-            "greedy_mean_length": sum(g.lengths[0] for g in greedy) / len(greedy),
+            "greedy_accuracy": accuracy(greedy),
+            "greedy_reward": greedy.totals.mean().item(),
+            "greedy_mean_length": greedy.rollout.lengths.double().mean().item(),
         }
-        per_group("greedy_accuracy", greedy)
+        per_group("greedy_accuracy", greedy, examples)
         result.update(_env_means("greedy", greedy))
         if wide:  # the second held-out set: operands outside the training range
             wide_graded = run(1, True, wide)
             result["wide_num_prompts"] = len(wide)
-            result["wide_greedy_accuracy"] = sum(g.passed[0] for g in wide_graded) / len(wide)
-            per_group("wide_greedy_accuracy", wide_graded)
+            result["wide_greedy_accuracy"] = accuracy(wide_graded)
+            per_group("wide_greedy_accuracy", wide_graded, wide)
         if samples >= 1:
             G = samples
             sampled = run(G, False)
-            totals = [x for g in sampled for x in g.totals]
-            lengths = [x for g in sampled for x in g.lengths]
             # The rule training uses to drop a group as signal-free (loss.std, loss.zero_std_threshold).
             same = zero_std_groups(
-                torch.tensor(totals, dtype=torch.float64),
-                G,
-                std=cfg.loss.std,
-                zero_std_threshold=cfg.loss.zero_std_threshold,
+                sampled.totals, G, std=cfg.loss.std, zero_std_threshold=cfg.loss.zero_std_threshold
             )
+            passed = sampled.passed.view(-1, G)  # [prompts, G]
             result.update(
                 {
                     "samples_per_prompt": G,
                     "temperature": s.temperature,
-                    "pass@1": sum(sum(g.passed) for g in sampled) / (G * len(examples)),
-                    f"pass@{G}": sum(1 for g in sampled if any(g.passed)) / len(examples),
-                    "pass_rate_histogram": pass_rate_histogram([x for g in sampled for x in g.passed], G),
+                    "pass@1": accuracy(sampled),
+                    f"pass@{G}": passed.any(-1).double().mean().item(),
+                    "pass_rate_histogram": pass_rate_histogram(sampled.passed.tolist(), G),
                     "frac_all_same_groups": same.double().mean().item(),
-                    "sampled_mean_length": sum(lengths) / len(lengths),
-                    "sampled_reward": sum(totals) / len(totals),
+                    "sampled_mean_length": sampled.rollout.lengths.double().mean().item(),
+                    "sampled_reward": sampled.totals.mean().item(),
                 }
             )
             result.update(_env_means("sampled", sampled))
-            per_group("pass@1", sampled, G)  # per kind: how often it samples a right answer
+            per_group("pass@1", sampled, examples, G)  # per kind: how often it samples a right answer
             result["advice"] = _advice(result["pass@1"])
         result["seconds"] = time.perf_counter() - t0
     finally:
@@ -158,10 +163,13 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     return result
 
 
-def _env_means(name: str, graded: list) -> dict[str, float]:
+def _env_means(name: str, graded) -> dict[str, float]:
     """An environment's episode metrics (env/turns, env/tool_call_rate, ...) over the prompts."""
-    keys = sorted(graded[0].env) if graded and graded[0].env else []
-    return {f"{name}_{k}": sum(g.env[k] for g in graded) / len(graded) for k in keys}
+    from grpo_cli.evaluate import env_means
+
+    names, sums = env_means(graded)
+    prompts = len(graded.totals) // graded.num_generations
+    return {f"{name}_{k}": total / prompts for k, total in zip(names, sums)}
 
 
 def _advice(rate: float) -> str:

@@ -56,6 +56,7 @@ from .scoring import (
     passes,
     requires_parameter,
     reward_metrics,
+    score,
     score_examples,
     score_rewards,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "preview",
     "resolve_reward",
     "reward_metrics",
+    "score",
     "score_examples",
     "score_rewards",
 ]

@@ -476,3 +476,37 @@ def score_examples(
         logged=logged,
     )
     return texts, total, per_reward
+
+
+def score(rewards, tokenizer, examples: list[Example], rollout, progress: TrainerProgress | None = None):
+    """A rollout whose rows are num_generations completions per example, in order, scored into one
+    frozen record (scored.Scored): every reward's value, the weighted totals, the pass rule and the
+    accuracy rule's rows, the rows' prompts (indices into `examples`), and the call's per-reward
+    time, counters and log_metric values. `progress`: the rewards' trainer_state."""
+    import torch
+
+    from grpo_cli.scored import Scored
+
+    counters: dict[str, float] = {}
+    logged: dict[str, list[float]] = {}
+    _, totals, per_reward = score_examples(
+        rewards, tokenizer, examples, rollout, stats=counters, progress=progress, logged=logged
+    )
+    judge = next((spec.name for spec in rewards if spec.role == "correctness"), None)
+    device, N = rollout.completion_ids.device, len(totals)
+    values = [[math.nan if v is None else v for v in column] for column in per_reward.values()]  # [R][N]
+    return Scored(
+        rollout=rollout,
+        names=tuple(per_reward),
+        values=torch.tensor(values, dtype=torch.float64, device=device).reshape(len(values), N).T,
+        totals=torch.tensor(totals, dtype=torch.float64, device=device),
+        passed=torch.tensor(passes(per_reward, totals, judge), dtype=torch.bool, device=device),
+        applies=torch.tensor(
+            [True] * N if judge is None else [v is not None for v in per_reward[judge]],
+            dtype=torch.bool,
+            device=device,
+        ),
+        prompt_index=torch.arange(len(examples), device=device).repeat_interleave(rollout.num_generations),
+        counters=counters,
+        logged={name: tuple(v) for name, v in logged.items()},
+    )
