@@ -5,7 +5,7 @@ numbered, call the functions of step.py by name
     -> 5 sampler sync -> 6 metrics, eval, checkpoint
 
 It reads the typed config (config.Config) by name and runs on the parts that build.py made from
-it: the sampler (samplers/), the scorer (logprobs.py), the optimizer step (optim.py). What a run
+it: the sampler (samplers/), the scorer (logprobs/), the optimizer step (optim.py). What a run
 keeps around the loop (checkpoints, evaluation, divergence stops) is `_Run`; the signals that
 stop a run, `_StopFlag`. Rule numbers (ref 000.1, ...) are in docs/reference.md.
 """

@@ -207,14 +207,14 @@ def test_an_untested_model_type_trains_through_the_plain_paths_with_a_notice(
 ):
     """GPT-Neo is not in the matrix: no shared-prompt KV cache, no decode-time W @ x^T layers, a
     one-line notice, and the self-check still guards its log-probs."""
-    from grpo_cli import logprobs
     from grpo_cli.cli.train import train_config
+    from grpo_cli.logprobs import forward
     from grpo_cli.samplers import builtin
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a fast path ran for an untested architecture")
 
-    monkeypatch.setattr(logprobs, "prefill", forbidden)
+    monkeypatch.setattr(forward, "prefill", forbidden)  # (where _forward_logits looks it up)
     monkeypatch.setattr(builtin, "few_rows_linears", forbidden)
     config = tf.GPTNeoConfig(
         vocab_size=V,

@@ -232,12 +232,32 @@ def test_reward_test_replays_an_episode(tmp_path):
     assert [r[-3:] for r in rows] == [["1", "0.5", "1.5"], ["0", "0", "0"]]
 
 
-def test_the_wheel_ships_every_package_of_the_source_tree():
-    """pyproject.toml lists its packages by hand: a new subpackage left out installs everywhere
-    but in an editable checkout (a wheel, the lent machine's offline install)."""
-    import tomllib
-    from conftest import ROOT
+def test_the_wheel_ships_every_package_of_the_source_tree(monkeypatch):
+    """The packages a wheel ships are the ones setuptools settles on from pyproject.toml (asked here
+    as a build asks it: its configuration, then its package discovery): every package of the source
+    tree must be among them, and conf/ as grpo_cli.conf with its YAML files. A subpackage left out
+    installs everywhere but in an editable checkout (a wheel, the lent machine's offline install).
+    (setuptools: torch requires it.)"""
+    import glob
+    import warnings
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    from conftest import ROOT
+    from setuptools.dist import Distribution
+
+    monkeypatch.chdir(ROOT)  # (setuptools reads ./pyproject.toml and resolves package-dir from here)
+    dist = Distribution()
+    with warnings.catch_warnings():  # (deprecations of pyproject fields unrelated to packages)
+        warnings.simplefilter("ignore")
+        dist.parse_config_files()
+        dist.set_defaults(name=False)  # the discovery a build runs where `packages` is not given
+    shipped = set(dist.packages or ())
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "grpo_cli").rglob("__init__.py")}
-    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+    missing = sorted((found | {"grpo_cli.conf"}) - shipped)
+    assert not missing, f"the wheel would leave out {missing}: see [tool.setuptools] in pyproject.toml"
+    assert (ROOT / dist.package_dir["grpo_cli.conf"]).resolve() == ROOT / "conf"
+    conf = ROOT / "conf"
+    data = {
+        f for pat in dist.package_data["grpo_cli.conf"] for f in glob.glob(pat, root_dir=conf, recursive=True)
+    }
+    yamls = {p.relative_to(conf).as_posix() for p in conf.rglob("*.yaml")}
+    assert yamls and yamls <= data, f"conf/ files the wheel would leave out: {sorted(yamls - data)}"

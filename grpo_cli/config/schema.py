@@ -198,7 +198,7 @@ class TrainerConfig:
     seed: int = 0
     precision: str = "auto"  # auto | fp32 | bf16 (bf16 weights, fp32 masters) | bf16-autocast | fp16
     gradient_checkpointing: bool = False
-    # Log-probs from the final hidden states, N tokens' logits at a time (grpo_cli/logprobs.py: no
+    # Log-probs from the final hidden states, N tokens' logits at a time (grpo_cli/logprobs/chunked.py: no
     # [B, C, V] logit tensor is ever alive); null (the default): auto, about 64 MiB of fp32 logits
     # per chunk; 0: the model's whole logits, the path before chunking (docs/precision.md).
     logprob_chunk_size: Optional[int] = None

@@ -1,0 +1,157 @@
+"""Running the model: the transformers forward made uniform across architectures (model_logits),
+positions from the attention mask, the columns that are padding in every row, the prompt prefill into
+a KV cache, and _forward_logits: the logits (or, within chunked.hidden_states_out, the final hidden
+states) that score a batch's completion tokens, with the causal shift, padding, the shared-prompt KV
+cache and the temperature handled here (ref 000.2, 000.3, 000.4). Imports nothing else of the package.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left padding shifts where real tokens start; positions count real tokens only (ref 000.3)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+
+
+def forward_model(model):
+    """The transformers model that runs the forward: a PEFT model's wrapped model (its LoRA layers
+    are injected in place, so the adapters run), whose own signature decides the keywords below."""
+    from grpo_cli.adapters import is_adapted
+
+    return model.get_base_model() if is_adapted(model) else model
+
+
+def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch.Tensor:
+    """model(**kwargs).logits, made uniform across architectures (every forward pass here and in
+    the sampler goes through it):
+
+    - logits_to_keep=k: the last k positions, [B, k, V]. OPT, GPT-Neo, GPT-J, CodeGen,
+      GPTBigCode, ... (transformers 4.57) swallow the keyword in **kwargs and return every
+      position; the extra ones are cut here.
+    - keywords the forward does not take are dropped (Bart-style decoders have neither
+      position_ids nor logits_to_keep, nor **kwargs): such a model computes its own positions.
+    """
+    model = forward_model(model)
+    if logits_to_keep is not None:
+        kwargs["logits_to_keep"] = logits_to_keep
+    params = inspect.signature(model.forward).parameters
+    if "past_key_values" in kwargs and "cache" in params and "past_key_values" not in params:
+        kwargs["cache"] = kwargs.pop(
+            "past_key_values"
+        )  # its name since transformers 5.2x (the old one warns)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    logits = model(**kwargs).logits  # [B, L, V], or [B, k, V] when the model honours logits_to_keep
+    if logits_to_keep is not None and logits.shape[1] > logits_to_keep:
+        logits = logits[:, -logits_to_keep:]  # [B, k, V]
+    return logits
+
+
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """Run each (left-padded) prompt [B, P] once into a fresh KV cache: (the cache, the logits
+    [B, 1, V] of the last position, which score the first completion token). The training forward
+    and the sampler share prompts this way."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    logits = model_logits(
+        model,
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=position_ids_from_mask(prompt_mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )  # [B, 1, V]
+    return cache, logits
+
+
+def checkpointing(model) -> bool:
+    """Whether gradient (activation) checkpointing is on: transformers 5 renamed the attribute
+    and warns on the old name."""
+    model = forward_model(model)
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def padding_bounds(prompt_mask: torch.Tensor, attention_mask: torch.Tensor) -> tuple[int, int]:
+    """(first prompt column holding a real token in some row, completion columns up to the last
+    attended one of any row): the columns outside are padding in every row, no work to spend on.
+    (A completion's attended tokens need not be a contiguous prefix.)"""
+    first = int(prompt_mask.any(0).long().argmax())
+    attended = attention_mask.bool().any(0)  # [C]
+    used = int(attended.nonzero().max()) + 1 if bool(attended.any()) else 1
+    return first, used
+
+
+def _forward_logits(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    attention_mask,
+    num_generations: int = 1,
+    shared_prompt: bool = True,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """(Within hidden_states_out: the final hidden states [B, C, H] at those positions, and the
+    temperature is the caller's.) Logits [B, C, V] that score the C completion tokens, divided by the temperature (ref
+    000.4): logits at position t score token t+1 (ref 000.2), so they are the ones from the last
+    prompt position to the second-to-last completion position; only those are materialised.
+    attention_mask [B, C]: the completion-side tokens the model sees (rollout.Rollout: it may have
+    holes). The temperature divides the fresh logits in place: no second [B, C, V] tensor. (In
+    place is safe here: the output layer's backward and a soft-capping's final scaling keep no
+    copy of their output; an architecture whose last op did would make autograd raise, not
+    compute a wrong gradient.)
+
+    The rows come in groups of num_generations (G) consecutive rows that share one prompt (a
+    rollout's contract); with G > 1 each prompt is run once and its KV cache is shared by its G
+    completions (gradients flow back into the prompt's pass through the cache). Same numbers as
+    running every [prompt, completion] row in full, up to float rounding (tested), at a fraction
+    of the cost: prompts are often most of the tokens. shared_prompt=False always runs the plain
+    full rows (for an architecture not tested here).
+    """
+    B, C = completion_ids.shape
+    G = num_generations if shared_prompt else 1
+    if B % G:
+        raise ValueError(f"_forward_logits: {B} rows are not groups of num_generations={G}")
+    use_cache = G > 1 and not checkpointing(model)
+    if not use_cache:
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
+        mask = torch.cat([prompt_mask, attention_mask], dim=1).long()  # [B, P+C]
+        logits = model_logits(
+            model,
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            logits_to_keep=C + 1,
+            use_cache=False,
+        )  # [B, C+1, V]
+        return _tempered(
+            logits[:, :-1, :], temperature
+        )  # [B, C, V]: logits[:, i] predicts completion token i
+    cache, first = prefill(model, prompt_ids[::G], prompt_mask[::G].long())  # [B/G, 1, V]
+    first_logits = first.repeat_interleave(G, dim=0)  # [B, 1, V]: scores completion token 0
+    if C == 1:
+        return _tempered(first_logits, temperature)
+    cache.batch_repeat_interleave(G)  # [B/G, ...] -> [B, ...], differentiable
+    mask = torch.cat([prompt_mask, attention_mask[:, :-1]], dim=1).long()  # [B, P+C-1]
+    rest = model_logits(
+        model,
+        input_ids=completion_ids[:, :-1],
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask)[:, prompt_ids.shape[1] :],
+        past_key_values=cache,
+        use_cache=True,
+    )  # [B, C-1, V]
+    return _tempered(torch.cat([first_logits, rest], dim=1), temperature)  # [B, C, V]
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, in place (the same values and gradient as out of place)."""
+    return logits if temperature == 1.0 else logits.div_(temperature)

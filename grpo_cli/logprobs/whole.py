@@ -1,0 +1,89 @@
+"""Scores from whole logits [B, T, V]: per-token log-probs, entropy, and the replay of the sampler's
+top-k/top-p truncation (filter_logits, TokenScores.behaviour), row by row in fp32. The plain path
+(trainer.logprob_chunk_size=0, or a model whose logits are not its output layer's) and the sampler's
+filter. Imports nothing else of the package.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then top-p (nucleus) truncation, in the order and with the tie rules of
+    transformers' TopKLogitsWarper and TopPLogitsWarper. logits: [N, V] already tempered. The
+    built-in sampler draws from softmax of these; the trainer replays them (token_scores) to score
+    the distribution a sampler drew from."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)  # [N, V]
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False  # keep at least the most likely token
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    return logits
+
+
+def truncates(top_k: int, top_p: float) -> bool:
+    """Whether sampling with these settings draws from a truncated distribution."""
+    return bool(top_k) or top_p < 1.0
+
+
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature).gather(targets) without materialising a [B, T, V] tensor
+    (neither the log-probs nor the tempered logits): logit of the target minus the row's
+    logsumexp, computed row by row in fp32."""
+    return token_scores(logits, targets, temperature=temperature).logps
+
+
+class TokenScores(NamedTuple):
+    logps: torch.Tensor  # [B, T] log softmax(logits / T) at the targets (the policy's; with gradient)
+    entropy: torch.Tensor | None  # [B, T] entropy of softmax(logits / T), no gradient (monitoring)
+    # [B, T] the targets' log-probs under the sampler's distribution (top-k/top-p replayed on
+    # softmax(logits / T): the distribution the samplers' contract records), no gradient; the same
+    # values as logps when nothing truncates.
+    behaviour: torch.Tensor
+
+
+def token_scores(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> TokenScores:
+    """Per-token scores of targets [B, T] under softmax(logits / temperature) [B, T, V], row by row
+    in fp32: the vocabulary-wide temporaries are one row's [T, V] (logits already tempered, as
+    _forward_logits returns them: temperature=1, no copy at all in fp32)."""
+    logps, entropies, behaviour = [], [], []
+    truncating = truncates(top_k, top_p)
+    for row_logits, row_targets in zip(logits, targets):  # [T, V], [T]
+        row = (row_logits if temperature == 1.0 else row_logits / temperature).float()  # [T, V]
+        picked = row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)  # [T]
+        logps.append(picked - torch.logsumexp(row, dim=-1))
+        if not (with_entropy or truncating):
+            continue
+        with torch.no_grad():
+            row = row.detach()
+            if with_entropy:
+                logp = F.log_softmax(row, dim=-1)  # [T, V]
+                entropies.append(-(logp.exp() * logp).sum(-1))
+            if truncating:
+                kept = filter_logits(row, top_k, top_p)  # [T, V]
+                # The sampled token stays in (its own logit): a near-tie at the cut-off that the
+                # sampler's rounding kept and the trainer's drops would otherwise score -inf.
+                kept = kept.scatter(-1, row_targets.unsqueeze(-1), picked.detach().unsqueeze(-1))
+                behaviour.append(picked.detach() - torch.logsumexp(kept, dim=-1))
+    logps = torch.stack(logps)  # [B, T]
+    return TokenScores(
+        logps,
+        torch.stack(entropies) if with_entropy else None,
+        torch.stack(behaviour) if truncating else logps.detach(),
+    )
