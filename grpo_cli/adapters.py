@@ -8,8 +8,8 @@ run the wrapped transformers model directly (logprobs.forward_model), so every p
 trainer (the shared-prompt forward, the sampler's KV cache, the CPU decode's W @ x^T layers, which
 reach the plain nn.Linear layers inside the LoRA layers) sees the same modules as without adapters.
 
-peft is imported inside the functions: the config's validation lists the choices below without
-importing torch.
+peft is imported inside the functions: the config's validation lists the choices below and runs
+`check_adapter` without importing torch.
 """
 
 from __future__ import annotations
@@ -50,6 +50,67 @@ def check_quantization(quantization: str, device) -> None:
             "install it with pip install 'grpo-cli[qlora]' (or pip install bitsandbytes), or train with "
             "plain LoRA: adapter=lora."
         )
+
+
+def check_adapter(a, tr) -> list[str]:
+    """The adapter group's values and what they cannot run with (config validation; the target
+    names are checked against the model once it loads). a, tr: the adapter and trainer groups."""
+    if a.name == "none":
+        return _full_fine_tuning_problems(a)
+    problems = _lora_problems(a, tr)
+    if a.quantization != "none" and tr.device == "cpu":
+        problems.append(QLORA_NEEDS_CUDA)
+    if tr.distributed == "fsdp":
+        problems.append(
+            f"trainer.distributed=fsdp with adapter={a.name} is not supported: LoRA keeps the base "
+            "model frozen and small enough to replicate; use trainer.distributed=ddp with adapters "
+            "(or adapter=none to shard a full fine-tune)."
+        )
+    return problems
+
+
+def _full_fine_tuning_problems(a) -> list[str]:
+    """adapter.name=none with a setting that only adapters use."""
+    problems = []
+    if a.quantization != "none":
+        problems.append(
+            f"adapter.quantization={a.quantization} quantizes the frozen base model of LoRA, but "
+            "adapter.name=none trains every weight; use adapter=qlora (LoRA on a 4-bit base)."
+        )
+    if a.path:
+        problems.append(
+            f"adapter.path={a.path!r} is a saved adapter, but adapter.name=none; set adapter.name=lora "
+            "(or adapter=lora) to load it."
+        )
+    return problems
+
+
+def _lora_problems(a, tr) -> list[str]:
+    """LoRA's alpha, dropout (which the step-0 self-check cannot run with) and target modules."""
+    problems = []
+    if not a.alpha > 0:
+        problems.append(
+            f"adapter.alpha={a.alpha} must be > 0 (the update is scaled by alpha / r); 2*r is usual."
+        )
+    if not 0 <= a.dropout < 1:
+        problems.append(f"adapter.dropout={a.dropout} must be in [0, 1); 0 is GRPO's usual.")
+    elif a.dropout > 0 and tr.self_check:
+        problems.append(
+            f"adapter.dropout={a.dropout} makes the training forward random, so the trainer's log-probs differ "
+            "from the sampler's by the dropout noise and the step-0 self-check would stop the run. Set "
+            "adapter.dropout=0 (GRPO trains without dropout), or trainer.self_check=false to train with it."
+        )
+    targets = [str(t) for t in a.target_modules]
+    if not targets or any(not t.strip() for t in targets):
+        problems.append(
+            f"adapter.target_modules={targets} must name layers, e.g. [all-linear] or [q_proj,v_proj]."
+        )
+    elif "all-linear" in targets and len(targets) > 1:
+        problems.append(
+            f"adapter.target_modules={targets}: all-linear already adapts every linear layer; give "
+            "[all-linear] alone or a list of layer names."
+        )
+    return problems
 
 
 def is_adapted(model) -> bool:

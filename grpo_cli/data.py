@@ -55,6 +55,40 @@ def wide_space(max_operand: int, wide_max_operand: int, max_multiplier: int, ope
     return sum(outside * (max_multiplier + 1) if op == "*" else pair for op in ops)
 
 
+def check_data(d) -> list[str]:
+    """The data group's values (config validation): a dataset's path, and an arithmetic generator
+    that can make as many distinct problems as asked for."""
+    problems = []
+    if d.source in ("file", "hub") and not d.path:
+        problems.append(
+            f"data.source={d.source} needs data.path (a local json/jsonl/csv/parquet file "
+            "or a hub dataset name)."
+        )
+    if d.source == "arithmetic" and d.max_operand >= 1 and d.max_multiplier >= 0:
+        problems += _arithmetic_space_problems(d)
+    return problems
+
+
+def _arithmetic_space_problems(d) -> list[str]:
+    problems = []
+    space = arithmetic_space(d.max_operand, d.max_multiplier, list(d.operations))
+    if space is not None and d.num_examples + d.eval_size > space:
+        problems.append(
+            f"data.num_examples + data.eval_size = {d.num_examples + d.eval_size} exceeds the {space} "
+            f"distinct problems that data.max_operand={d.max_operand}, data.max_multiplier="
+            f"{d.max_multiplier} and data.operations allow; raise max_operand or ask for fewer examples."
+        )
+    wide = d.wide_eval_max_operand
+    wide_problems = wide_space(d.max_operand, wide, d.max_multiplier, list(d.operations))
+    if wide > d.max_operand and d.eval_size > wide_problems:
+        problems.append(
+            f"data.eval_size={d.eval_size} exceeds the {wide_problems} distinct problems "
+            f"with an operand in {d.max_operand + 1}..{wide} (data.wide_eval_max_operand); raise "
+            "data.wide_eval_max_operand or lower data.eval_size."
+        )
+    return problems
+
+
 def arithmetic_rows(
     num_examples: int,
     eval_size: int,

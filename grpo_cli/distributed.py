@@ -144,6 +144,30 @@ def launched_world_size() -> int:
     return from_env().world_size
 
 
+def planned_world_size(tr) -> int:
+    """The processes that will share each step: trainer.num_processes, or torchrun's WORLD_SIZE.
+    tr: the trainer group."""
+    return tr.num_processes if tr.num_processes > 1 else launched_world_size()
+
+
+def check_processes(tr) -> list[str]:
+    """trainer.num_processes against torchrun's, and FSDP's need of several (config validation)."""
+    problems = []
+    launched, W = launched_world_size(), planned_world_size(tr)
+    if launched > 1 and tr.num_processes > 1 and tr.num_processes != launched:
+        problems.append(
+            f"trainer.num_processes={tr.num_processes}, but this process was started by torchrun with "
+            f"WORLD_SIZE={launched}: under torchrun the number of processes is torchrun's "
+            f"(--nproc_per_node, --nnodes); drop trainer.num_processes (or set it to {launched})."
+        )
+    if tr.distributed == "fsdp" and W < 2:
+        problems.append(
+            "trainer.distributed=fsdp shards the model over several processes, but this run has one; "
+            "set trainer.num_processes=2 (or more), launch with torchrun, or use trainer.distributed=ddp."
+        )
+    return problems
+
+
 def join(d: Dist, device_type: str, timeout_s: float) -> None:
     """Join the process group: NCCL on GPUs (one per process: cuda:LOCAL_RANK), gloo on the CPU.
     The timeout bounds every collective: a dead or stuck rank makes the others raise instead of

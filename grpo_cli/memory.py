@@ -1,11 +1,13 @@
 """Will training this model fit this device? An estimate from the model's config alone.
 
 `grpo-check-env --model M` answers it before anything is downloaded or loaded: the model is built
-on the meta device (shapes, no storage) to count its parameters exactly, and the bytes of each
-way to train it (full fine-tuning, LoRA, QLoRA) are added up the way the trainer stores them.
-The weights, gradients, optimizer and reference terms are exact for that storage; the activation
-and runtime terms are rough, set by the module constants below (calibrated against a measured
-peak, so each is used in exactly one place).
+on the meta device (shapes, no storage) to count its parameters exactly (grpo_cli.shapes, whose
+names are re-exported here), and the bytes of each way to train it (full fine-tuning, LoRA, QLoRA)
+are added up the way the trainer stores them, from one record of the run's settings
+(`EstimateInputs`). The weights, gradients, optimizer and reference terms are exact for that
+storage; the activation and runtime terms are rough, set by the module constants below (calibrated
+against a measured peak, so each is used in exactly one place). Then the recommendation (the
+cheapest method that fits) and the advice for a run that ran out of memory.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from grpo_cli.errors import UserError, first_line
+from grpo_cli.shapes import ModelShape, lora_parameters
+
+# The model's shape from its config, re-exported (check_env, the tests and the scripts read them here).
+from grpo_cli.shapes import model_shape as model_shape
+from grpo_cli.shapes import preset_source as preset_source
+from grpo_cli.shapes import resolve_model_config as resolve_model_config
 
 GIB = 2**30
 
@@ -86,252 +92,53 @@ HEADROOM = 0.10
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp16")
 
-# The real config.json values (those that set the shapes) of the shipped presets' models and a
-# common larger one, so their estimates need neither the hub nor the Hugging Face cache.
-KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
-    "Qwen/Qwen2.5-0.5B-Instruct": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    ),
-    "Qwen/Qwen2.5-1.5B-Instruct": dict(
-        model_type="qwen2",
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    ),
-    "Qwen/Qwen2.5-7B-Instruct": dict(
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    ),
-    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(
-        model_type="llama",
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    ),
-}
 
-
-# --------------------------------------------------------------------------- the model's config
-
-
-def conf_dir() -> Path:
-    """The shipped config folder (conf/, installed as the package grpo_cli.conf)."""
-    import grpo_cli.conf
-
-    return Path(grpo_cli.conf.__file__).resolve().parent
-
-
-def model_presets() -> list[str]:
-    """The names of conf/model/*.yaml: what `model=NAME` (and --model NAME) accepts."""
-    return sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
-
-
-def preset_source(name: str) -> str | None:
-    """The name_or_path of the preset `name`, or None when `name` is not a preset."""
-    if "/" in name or "\\" in name or name not in model_presets():
-        return None
-    from omegaconf import OmegaConf
-
-    return str(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml").name_or_path)
-
-
-def resolve_model_config(name_or_path: str):
-    """The transformers config of a preset name, builtin:NAME, local folder or hub id, offline.
-
-    Nothing is downloaded: a hub id is answered from KNOWN_CONFIGS or the local Hugging Face cache
-    (local_files_only), so the estimate works on a machine that cannot reach the hub.
-    """
-    from transformers import AutoConfig
-
-    source = preset_source(name_or_path) or name_or_path
-    if source.startswith("builtin:"):
-        from grpo_cli.models import BUILTINS
-
-        name = source[len("builtin:") :]
-        if name not in BUILTINS:
-            raise UserError(
-                f"--model {name_or_path!r}: no built-in model {name!r}; built-ins are "
-                f"{', '.join('builtin:' + n for n in BUILTINS)}."
-            )
-        return AutoConfig.from_pretrained(BUILTINS[name]())
-    folder = Path(source).expanduser()
-    if folder.is_dir():
-        return _folder_config(folder, name_or_path)
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise UserError(
-            f"--model {name_or_path!r} is not an existing folder. Point it at a folder holding the "
-            "model's config.json (e.g. one written by save_pretrained), a hub id, or a preset "
-            f"({', '.join(model_presets())})."
-        )
-    if source in KNOWN_CONFIGS:
-        values = dict(KNOWN_CONFIGS[source])
-        return AutoConfig.for_model(values.pop("model_type"), **values)
-    try:
-        return AutoConfig.from_pretrained(source, local_files_only=True)
-    except Exception as exc:  # OSError (not cached), ValueError (bad id or unknown model type), ...
-        from grpo_cli.models import _hf_cache_dir
-
-        raise UserError(
-            f"the config of --model {name_or_path!r} is not available offline ({first_line(exc, 120)}): "
-            f"it is not a preset ({', '.join(model_presets())}), not a local folder, not one of the "
-            f"shipped configs ({', '.join(KNOWN_CONFIGS)}) and not in the Hugging Face cache "
-            f"({_hf_cache_dir()}). Download the model folder where the hub is reachable (huggingface-cli "
-            f"download {source} --local-dir DIR; config.json alone is enough for the estimate), copy it "
-            "here and pass --model DIR; or fix the id if it is misspelt."
-        ) from exc
-
-
-def _folder_config(folder: Path, shown: str):
-    from transformers import AutoConfig
-
-    if not (folder / "config.json").is_file():
-        raise UserError(
-            f"--model {shown!r} is a folder without config.json; point it at a model folder written by "
-            "save_pretrained (or downloaded with huggingface-cli download ID --local-dir DIR)."
-        )
-    try:
-        return AutoConfig.from_pretrained(folder)
-    except Exception as exc:  # JSONDecodeError, unknown model_type, custom code, ...
-        raise UserError(
-            f"could not read the config.json of --model {shown!r}: {first_line(exc, 160)}. Fix or "
-            "re-download the file; a model with custom code (trust_remote_code) cannot be estimated."
-        ) from exc
-
-
-# --------------------------------------------------------------------------- the model's shape
+# --------------------------------------------------------------------------- the estimate's inputs
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    model_type: str
-    total_params: int  # every parameter once (tied embeddings counted once)
-    linear_params: int  # weights and biases of the nn.Linear / Conv1D layers bar the output head
-    linear_layers: tuple[tuple[int, int], ...]  # (in_features, out_features) of those layers
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class EstimateInputs:
+    """Everything one estimate reads: the model's shape, how it trains (method, LoRA rank,
+    precision, a reference model for beta > 0), a micro-batch's rows and lengths and the prompts
+    sampled at once, the device, the memory savers (gradient checkpointing, chunked logits) and a
+    reward model beside the policy. `dataclasses.replace(inputs, method="lora")` varies one."""
+
+    shape: ModelShape
+    method: str  # one of METHODS: full | lora | qlora
+    lora_r: int = 16
+    precision: str = "fp32"  # one of PRECISIONS
+    beta: float = 0.0  # > 0: a reference model (full training: a second copy of the weights)
+    prompts_per_micro_batch: int = 1
+    num_generations: int = 8
+    prompt_length: int = 256
+    completion_length: int = 16
+    prompts_per_sampling_batch: int | None = None  # sampled at once (a step); None: one micro-batch
+    device_type: str = "cpu"  # cpu | cuda
+    gradient_checkpointing: bool = False
+    logprob_chunk_size: int | None = None  # trainer.logprob_chunk_size (None: auto, 0: whole logits)
+    reward_model: ModelShape | None = None  # reward=model: the scorer's shape (a sequence classifier)
+    reward_batch_size: int = 8
+    reward_max_length: int = 1024
 
     @property
-    def linear_weight_params(self) -> int:
-        """The linear layers' weight matrices: what 4-bit quantization stores in NF4."""
-        return sum(i * o for i, o in self.linear_layers)
+    def rows(self) -> int:
+        """A micro-batch's completions: P prompts x G."""
+        return self.prompts_per_micro_batch * self.num_generations
 
+    @property
+    def sampling_rows(self) -> int:
+        """The completions sampled at once."""
+        return (self.prompts_per_sampling_batch or self.prompts_per_micro_batch) * self.num_generations
 
-def model_shape(config, *, classifier: bool = False) -> ModelShape:
-    """Exact parameter counts from the model built on the meta device (no memory, no weights).
-    classifier: the sequence classifier of that config (a reward model: a scoring head, no LM head).
+    @property
+    def length(self) -> int:
+        """A full row: prompt + completion tokens."""
+        return self.prompt_length + self.completion_length
 
-    Counting the built modules, not a formula, keeps every architecture's biases, norms, tied heads
-    and extra projections right; the linear layers are the ones PEFT's target_modules="all-linear"
-    adapts: nn.Linear and transformers' Conv1D (GPT-2), bar the output head.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    from transformers.pytorch_utils import Conv1D
-
-    try:
-        with torch.device("meta"):
-            model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(
-                config
-            )
-    except Exception as exc:  # an architecture without a causal-LM class, custom code, a bad config
-        raise UserError(
-            f"cannot build a causal LM from the {getattr(config, 'model_type', '?')!r} config: "
-            f"{first_line(exc, 160)}. grpo-cli trains models that AutoModelForCausalLM supports."
-        ) from exc
-    head = model.get_output_embeddings()
-    layers, linear_params = [], 0
-    for module in model.modules():
-        if module is head:
-            continue
-        if isinstance(module, torch.nn.Linear):
-            layers.append((module.in_features, module.out_features))
-        elif isinstance(module, Conv1D):
-            layers.append((module.weight.shape[0], module.nf))  # weight [in, out]
-        else:
-            continue
-        linear_params += sum(p.numel() for p in module.parameters(recurse=False))
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(text.hidden_size)
-    heads = int(text.num_attention_heads)
-    inter = next(
-        (getattr(text, k) for k in ("intermediate_size", "ffn_dim", "n_inner") if getattr(text, k, None)),
-        4 * hidden,
-    )
-    return ModelShape(
-        model_type=str(getattr(config, "model_type", "?")),
-        total_params=sum(p.numel() for p in model.parameters()),  # parameters() skips tied duplicates
-        linear_params=linear_params,
-        linear_layers=tuple(layers),
-        num_layers=int(text.num_hidden_layers),
-        hidden_size=hidden,
-        intermediate_size=int(inter),
-        vocab_size=int(text.vocab_size),
-        num_heads=heads,
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
-    )
-
-
-def lora_parameters(shape: ModelShape, r: int) -> int:
-    """Trainable parameters of LoRA rank r on every linear layer: A [r, in] and B [out, r] each."""
-    return sum(r * (i + o) for i, o in shape.linear_layers)
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one activation at this precision (activation_bytes)."""
+        return activation_bytes(self.precision)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -407,17 +214,7 @@ def _runtime_bytes(device_type: str) -> int:
     return CUDA_RUNTIME_BYTES if device_type == "cuda" else CPU_RUNTIME_BYTES
 
 
-def training_activations(
-    shape: ModelShape,
-    *,
-    precision: str,
-    prompts_per_micro_batch: int,
-    num_generations: int,
-    prompt_length: int,
-    completion_length: int,
-    gradient_checkpointing: bool,
-    logprob_chunk_size: int | None = None,
-) -> int:
+def training_activations(inputs: EstimateInputs) -> int:
     """Activations of one micro-batch's training forward, kept for its backward (and its logits:
     _logits_bytes).
 
@@ -427,53 +224,68 @@ def training_activations(
     (P*G*(prompt + completion) tokens: the shared prompt's cache would be recomputed per row), each
     layer keeps only its input (hidden per token) and one layer at a time is recomputed in full.
     """
-    act = activation_bytes(precision)
-    rows = prompts_per_micro_batch * num_generations
-    length = prompt_length + completion_length
-    tokens = prompts_per_micro_batch * prompt_length + rows * completion_length
+    shape, act, rows = inputs.shape, inputs.act_bytes, inputs.rows
+    P, prompt, completion = inputs.prompts_per_micro_batch, inputs.prompt_length, inputs.completion_length
+    tokens = P * prompt + rows * completion
     # The attention masks: the prompts' pass [P, 1, prompt, prompt], the completions' [rows, 1,
     # completion, prompt + completion] (or every full row's [rows, 1, length, length]).
-    mask = _attention_mask_bytes(prompts_per_micro_batch, prompt_length, prompt_length, act)
-    mask += _attention_mask_bytes(rows, completion_length, length, act)
-    if gradient_checkpointing:
-        tokens = rows * length
-        mask = _attention_mask_bytes(rows, length, length, act)
+    mask = _attention_mask_bytes(P, prompt, prompt, act)
+    mask += _attention_mask_bytes(rows, completion, inputs.length, act)
+    if inputs.gradient_checkpointing:
+        tokens = rows * inputs.length
+        mask = _attention_mask_bytes(rows, inputs.length, inputs.length, act)
     full_layer = tokens * _layer_activation_bytes_per_token(shape, act) + mask
-    if gradient_checkpointing:
+    if inputs.gradient_checkpointing:
         layers = tokens * shape.num_layers * act * shape.hidden_size + full_layer
     else:
         layers = shape.num_layers * full_layer
-    return layers + _logits_bytes(rows, completion_length, shape.vocab_size, logprob_chunk_size)
+    return layers + _logits_bytes(rows, completion, shape.vocab_size, inputs.logprob_chunk_size)
 
 
-def sampling_kv_cache(
-    shape: ModelShape, *, precision: str, rows: int, prompt_length: int, completion_length: int
-) -> int:
-    """The sampler's KV cache at its longest: keys and values of every layer for every row."""
-    per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.num_layers * activation_bytes(precision)
-    return rows * (prompt_length + completion_length) * per_token
+def sampling_kv_cache(inputs: EstimateInputs) -> int:
+    """The sampler's KV cache at its longest: keys and values of every layer for every row sampled
+    at once (inputs.sampling_rows)."""
+    shape = inputs.shape
+    per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.num_layers * inputs.act_bytes
+    return inputs.sampling_rows * inputs.length * per_token
 
 
-def estimate(
-    shape: ModelShape,
-    *,
-    method: str,
-    lora_r: int = 16,
-    precision: str = "fp32",
-    beta: float = 0.0,
-    prompts_per_micro_batch: int = 1,
-    num_generations: int = 8,
-    prompt_length: int = 256,
-    completion_length: int = 16,
-    device_type: str = "cpu",
-    gradient_checkpointing: bool = False,
-    prompts_per_sampling_batch: int | None = None,
-    reward_model: ModelShape | None = None,
-    reward_batch_size: int = 8,
-    reward_max_length: int = 1024,
-    logprob_chunk_size: int | None = None,
-) -> MemoryEstimate:
-    """Peak memory of training `shape` with `method`, counted as the trainer stores things.
+def reward_model_terms(inputs: EstimateInputs) -> tuple[int, int]:
+    """(weights, scoring forward) of the reward model, (0, 0) without one: its weights in the run's
+    activation dtype (rewards/model.py loads it in the trainer's precision), and its scoring forward
+    (reward_batch_size texts of prompt + completion tokens, at most reward_max_length; no autograd:
+    a layer's inputs and its MLP's, REWARD_FORWARD_COPIES of each)."""
+    scorer = inputs.reward_model
+    if scorer is None:
+        return 0, 0
+    act = inputs.act_bytes
+    tokens = inputs.reward_batch_size * min(inputs.reward_max_length, inputs.length)
+    return act * scorer.total_params, REWARD_FORWARD_COPIES * act * tokens * (
+        scorer.hidden_size + scorer.intermediate_size
+    )
+
+
+def _weights_and_trainable(inputs: EstimateInputs) -> tuple[int, int, int]:
+    """(weights, trainable parameters, reference) bytes/count as `method` stores them (estimate's
+    docstring)."""
+    shape, method, precision = inputs.shape, inputs.method, inputs.precision
+    n = shape.total_params
+    if method == "full" and precision == "bf16":  # bf16 weights + their fp32 master copies
+        reference = HALF_BYTES * n if inputs.beta > 0 else 0
+        return (HALF_BYTES + FP32_BYTES) * n, n, reference
+    if method == "full":
+        return FP32_BYTES * n, n, (FP32_BYTES * n if inputs.beta > 0 else 0)
+    trainable = lora_parameters(shape, inputs.lora_r)
+    if method == "lora":
+        base = activation_bytes(precision) * n
+    else:
+        quantized = shape.linear_weight_params
+        base = int(NF4_BYTES * quantized) + HALF_BYTES * (n - quantized)
+    return base + FP32_BYTES * trainable, trainable, 0
+
+
+def estimate(inputs: EstimateInputs) -> MemoryEstimate:
+    """Peak memory of training inputs.shape with inputs.method, counted as the trainer stores things.
 
     full: fp32 weights (4 B/param; bf16-autocast/fp16 only autocast the forward), fp32 gradients (4),
       AdamW's two fp32 moments (8); with beta > 0 the reference model is a second fp32 copy (4).
@@ -489,65 +301,26 @@ def estimate(
       G completions; the trainer samples a whole step at once, default: one micro-batch). They do
       not coexist: the sampler's cache is freed before the training forward.
     runtime: CPU_RUNTIME_BYTES, or CUDA_RUNTIME_BYTES on a GPU.
-    reward_model: a reward model's shape (reward=model): its weights in the run's activation dtype
-      (rewards/model.py loads it in the trainer's precision) for the whole run, and its scoring
-      forward (reward_batch_size texts of prompt + completion tokens, at most reward_max_length;
-      no autograd: a layer's inputs and its MLP's, REWARD_FORWARD_COPIES of each) as a fourth
-      phase, after sampling and before the training forward.
+    reward_model: a reward model's weights for the whole run, and its scoring forward as a fourth
+      phase, after sampling and before the training forward (reward_model_terms).
     """
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-    n = shape.total_params
-    if method == "full" and precision == "bf16":  # bf16 weights + their fp32 master copies
-        weights, trainable = (HALF_BYTES + FP32_BYTES) * n, n
-        reference = HALF_BYTES * n if beta > 0 else 0
-    elif method == "full":
-        weights, trainable = FP32_BYTES * n, n
-        reference = FP32_BYTES * n if beta > 0 else 0
-    else:
-        trainable = lora_parameters(shape, lora_r)
-        if method == "lora":
-            base = activation_bytes(precision) * n
-        else:
-            quantized = shape.linear_weight_params
-            base = int(NF4_BYTES * quantized) + HALF_BYTES * (n - quantized)
-        weights, reference = base + FP32_BYTES * trainable, 0
-    training = training_activations(
-        shape,
-        precision=precision,
-        prompts_per_micro_batch=prompts_per_micro_batch,
-        num_generations=num_generations,
-        prompt_length=prompt_length,
-        completion_length=completion_length,
-        gradient_checkpointing=gradient_checkpointing,
-        logprob_chunk_size=logprob_chunk_size,
-    )
-    sampling = sampling_kv_cache(
-        shape,
-        precision=precision,
-        rows=(prompts_per_sampling_batch or prompts_per_micro_batch) * num_generations,
-        prompt_length=prompt_length,
-        completion_length=completion_length,
-    )
-    scoring, reward_weights = 0, 0
-    if reward_model is not None:
-        act = activation_bytes(precision)
-        reward_weights = act * reward_model.total_params
-        tokens = reward_batch_size * min(reward_max_length, prompt_length + completion_length)
-        scoring = (
-            REWARD_FORWARD_COPIES * act * tokens * (reward_model.hidden_size + reward_model.intermediate_size)
-        )
+    if inputs.method not in METHODS:
+        raise ValueError(f"method={inputs.method!r} is not one of {', '.join(METHODS)}")
+    if inputs.precision not in PRECISIONS:
+        raise ValueError(f"precision={inputs.precision!r} is not one of {', '.join(PRECISIONS)}")
+    weights, trainable, reference = _weights_and_trainable(inputs)
+    training = training_activations(inputs)
+    reward_weights, scoring = reward_model_terms(inputs)
+    slack = allocator_slack(training, inputs.device_type, inputs.method)
     return MemoryEstimate(
-        method=method,
+        method=inputs.method,
         weights=weights,
         gradients=FP32_BYTES * trainable,
         optimizer=ADAMW_STATE_BYTES * trainable,
         reference=reference,
-        activations=max(training + allocator_slack(training, device_type, method), sampling, scoring),
-        runtime=_runtime_bytes(device_type),
-        gradient_checkpointing=gradient_checkpointing,
+        activations=max(training + slack, sampling_kv_cache(inputs), scoring),
+        runtime=_runtime_bytes(inputs.device_type),
+        gradient_checkpointing=inputs.gradient_checkpointing,
         reward_model=reward_weights,
     )
 

@@ -8,6 +8,20 @@ OPTIMIZERS = ("adamw",)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
+def check_optimizer(opt) -> list[str]:
+    """The optimizer group's values (config validation; OPTIMIZERS and LR_SCHEDULERS are checked
+    with every group's choices)."""
+    problems = []
+    if not opt.learning_rate > 0:
+        problems.append(f"optimizer.learning_rate={opt.learning_rate} must be > 0, e.g. 1e-6.")
+    if not opt.max_grad_norm > 0:
+        problems.append(f"optimizer.max_grad_norm={opt.max_grad_norm} must be > 0, e.g. 1.0.")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= opt[key] < 1:
+            problems.append(f"optimizer.{key}={opt[key]} must be in [0, 1).")
+    return problems
+
+
 def build_optimizer(params, cfg, *, total_updates: int):
     """AdamW over `params` (the trainable parameters) and its schedule (transformers' schedulers,
     stepped once per applied update), from the optimizer section `cfg` (config.OptimizerConfig,

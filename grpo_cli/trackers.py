@@ -7,7 +7,8 @@ step; lists (histograms) are left to metrics.jsonl. They share the interface of
 grpo_cli.metrics.TensorBoard: built once per run, `log(row)` per row, `close()` at the end, plus
 `log_samples(step, records)` for a table of completions. The packages are optional extras
 (pip install 'grpo-cli[wandb]' / 'grpo-cli[trackio]'), imported only when a tracker is built;
-`missing_package` lets config validation report a missing one before a run starts.
+`check_report_to` lets config validation report trainer.report_to's problems (an unknown name, a
+missing package, W&B without credentials) before a run starts.
 """
 
 from __future__ import annotations
@@ -51,6 +52,93 @@ def missing_package(name: str, report_to: list[str] | None = None) -> str | None
         return None
     problem = f"trainer.report_to includes {name}, but the {name} package is not installed; "
     return problem + _install_hint(name, report_to)
+
+
+# ----------------------------------------------------------------------------- trainer.report_to
+# Checked by config validation before a run starts. Packages are looked up, never imported
+# (missing_package): wandb and trackio take seconds to import, and a bad command line is answered
+# before anything heavy loads.
+
+REPORTERS = ("jsonl", "tensorboard", "wandb", "trackio")
+# WANDB_MODE values in which W&B never contacts its server, so it needs no credentials.
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
+
+
+def check_report_to(report_to: list[str]) -> list[str]:
+    """trainer.report_to's problems: unknown names, no jsonl, a missing package, W&B that would
+    ask for a login."""
+    names = [str(name) for name in report_to]
+    shown = f"trainer.report_to=[{','.join(names)}]"
+    problems = _unknown_reporters(names, shown) + _jsonl_required(names, shown)
+    problems += [
+        problem
+        for name in ("tensorboard", "wandb", "trackio")
+        if name in names and (problem := missing_package(name, names))
+    ]
+    if "wandb" in names and find_spec("wandb") is not None and not wandb_can_log():
+        problems.append(_wandb_login_needed())
+    return problems
+
+
+def _unknown_reporters(names: list[str], shown: str) -> list[str]:
+    unknown = [name for name in names if name not in REPORTERS]
+    if not unknown:
+        return []
+    return [
+        f"{shown}: unknown {'name' if len(unknown) == 1 else 'names'} {', '.join(unknown)}; the "
+        f"valid names are {', '.join(REPORTERS)} (e.g. trainer.report_to=[jsonl,tensorboard])."
+    ]
+
+
+def _jsonl_required(names: list[str], shown: str) -> list[str]:
+    if "jsonl" in names:
+        return []
+    return [
+        f"{shown} must include jsonl: metrics.jsonl is what the plots, sweep summaries and "
+        "trainer.resume read; e.g. trainer.report_to=[jsonl,tensorboard]."
+    ]
+
+
+def _wandb_login_needed() -> str:
+    mode = os.environ.get("WANDB_MODE")
+    return (
+        "trainer.report_to includes wandb, but no W&B credentials were found (no WANDB_API_KEY, and no "
+        f"{_wandb_host()} entry in {_netrc_path()}) and W&B would log online "
+        f"({'WANDB_MODE=' + repr(mode) if mode else 'WANDB_MODE is not set'}), so wandb.init would "
+        "ask for a login (or fail without a terminal) as the run starts: set WANDB_MODE=offline to "
+        "log locally (sync later with `wandb sync <run folder>/wandb/offline-run-*`), or log in with "
+        "`wandb login` / WANDB_API_KEY."
+    )
+
+
+def _wandb_host() -> str:
+    """The W&B server's host name: api.wandb.ai, or a self-hosted server's ($WANDB_BASE_URL)."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
+def _netrc_path() -> str:
+    """The netrc file `wandb login` writes the key to: $NETRC, else ~/.netrc."""
+    return os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")
+
+
+def wandb_can_log() -> bool:
+    """W&B will start a run without asking for a login: it logs locally (WANDB_MODE offline,
+    disabled or dryrun), or it finds credentials where wandb.init looks for them: WANDB_API_KEY,
+    WANDB_IDENTITY_TOKEN_FILE, or a netrc entry for its server, which `wandb login` writes. (A key
+    kept only in W&B's own settings file is not looked for: the message then names the fix.)"""
+    import netrc
+
+    if os.environ.get("WANDB_MODE", "").strip().lower() in WANDB_LOCAL_MODES:
+        return True
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        entry = netrc.netrc(_netrc_path()).authenticators(_wandb_host())
+    except (OSError, netrc.NetrcParseError):  # no file, unreadable or malformed: no credentials there
+        return False
+    return bool(entry and entry[2])
 
 
 def _import_error(name: str, exc: ImportError) -> UserError:

@@ -74,18 +74,20 @@ def estimate_gib(method: str, beta: float, prompt_length: int, gradient_checkpoi
 
     shape = memory.model_shape(memory.resolve_model_config("smollm2-135m"))
     e = memory.estimate(
-        shape,
-        method=method,
-        lora_r=16,
-        precision="fp32",
-        beta=beta,
-        prompts_per_micro_batch=4,
-        num_generations=8,
-        prompt_length=prompt_length,
-        completion_length=16,
-        device_type="cpu",
-        gradient_checkpointing=gradient_checkpointing,
-        prompts_per_sampling_batch=4,
+        memory.EstimateInputs(
+            shape,
+            method,
+            lora_r=16,
+            precision="fp32",
+            beta=beta,
+            prompts_per_micro_batch=4,
+            num_generations=8,
+            prompt_length=prompt_length,
+            completion_length=16,
+            device_type="cpu",
+            gradient_checkpointing=gradient_checkpointing,
+            prompts_per_sampling_batch=4,
+        )
     )
     return e.total / 2**30
 

@@ -131,14 +131,19 @@ RUN = dict(
 )
 
 
+def estimate(**settings) -> memory.MemoryEstimate:
+    """memory.estimate of SHAPE with these settings (memory.EstimateInputs' fields)."""
+    return memory.estimate(memory.EstimateInputs(SHAPE, **settings))
+
+
 def test_weights_gradients_optimizer_and_reference_terms():
     adapters = memory.lora_parameters(SHAPE, 2)
     assert adapters == 2 * (30 + 30 + 40)
-    full0, full = (memory.estimate(SHAPE, method="full", lora_r=2, beta=b, **RUN) for b in (0.0, 0.04))
+    full0, full = (estimate(method="full", lora_r=2, beta=b, **RUN) for b in (0.0, 0.04))
     assert (full.weights, full.gradients, full.optimizer, full.reference) == (4000, 4000, 8000, 4000)
     assert full0.reference == 0 and full.total - full0.total == 4000
     for method, base in (("lora", 4 * 1000), ("qlora", int(0.52 * 700) + 2 * 300)):
-        e0, e = (memory.estimate(SHAPE, method=method, lora_r=2, beta=b, **RUN) for b in (0.0, 0.04))
+        e0, e = (estimate(method=method, lora_r=2, beta=b, **RUN) for b in (0.0, 0.04))
         assert e0 == e  # beta needs no second copy: the reference is the adapters-disabled model
         assert (e.weights, e.gradients, e.optimizer, e.reference) == (
             base + 4 * adapters,
@@ -147,12 +152,12 @@ def test_weights_gradients_optimizer_and_reference_terms():
             0,
         )
         assert e.total - e.activations < full0.total - full0.activations  # (activations: their own test)
-    bf16 = memory.estimate(SHAPE, method="lora", lora_r=2, precision="bf16", **RUN)
+    bf16 = estimate(method="lora", lora_r=2, precision="bf16", **RUN)
     assert bf16.weights == 2 * 1000 + 4 * adapters  # the frozen base in bf16, the adapters in fp32
     # precision=bf16, full: bf16 weights and their fp32 masters, a bf16 reference
-    bf16 = memory.estimate(SHAPE, method="full", precision="bf16", beta=0.04, **RUN)
+    bf16 = estimate(method="full", precision="bf16", beta=0.04, **RUN)
     assert (bf16.weights, bf16.gradients, bf16.optimizer, bf16.reference) == (6000, 4000, 8000, 2000)
-    autocast = memory.estimate(SHAPE, method="full", precision="bf16-autocast", beta=0.04, **RUN)
+    autocast = estimate(method="full", precision="bf16-autocast", beta=0.04, **RUN)
     assert (autocast.weights, autocast.reference) == (4000, 4000)  # fp32 weights, cast at each use
 
 
@@ -164,20 +169,20 @@ def test_activation_terms():
     logits = 2 * 4 * 3 * 50 * 4 * memory.LOGITS_COPIES
     slack = 1 + memory.ALLOCATOR_SLACK["cpu"]["full"]
     layers = 2 * (tokens * act_fp32 + mask)
-    e = memory.estimate(SHAPE, method="full", **RUN)
+    e = estimate(method="full", **RUN)
     assert e.activations == int((layers + logits) * slack)
     assert e.runtime == memory.CPU_RUNTIME_BYTES
-    ckpt = memory.estimate(SHAPE, method="full", gradient_checkpointing=True, **RUN)
+    ckpt = estimate(method="full", gradient_checkpointing=True, **RUN)
     rows_tokens = 2 * 4 * (8 + 3)  # checkpointing runs every row in full (no shared prompt)
     one_layer = rows_tokens * act_fp32 + 4 * 8 * 11 * 11  # recomputed in full, its [8, 1, 11, 11] mask
     assert ckpt.activations == int((rows_tokens * 2 * 4 * 10 + one_layer + logits) * slack)
-    bf16 = memory.estimate(SHAPE, method="full", precision="bf16", **RUN)
+    bf16 = estimate(method="full", precision="bf16", **RUN)
     assert bf16.activations == int((layers // 2 + logits) * slack)  # logits stay fp32
-    cuda = memory.estimate(SHAPE, method="full", **{**RUN, "device_type": "cuda"})
+    cuda = estimate(method="full", **{**RUN, "device_type": "cuda"})
     assert cuda.runtime == memory.CUDA_RUNTIME_BYTES
     assert cuda.activations == int((layers + logits) * (1 + memory.ALLOCATOR_SLACK["cuda"]["full"]))
     # adapters: nothing as large as the gradients reuses the freed activations (the CPU's slack)
-    lora = memory.estimate(SHAPE, method="lora", lora_r=2, **RUN)
+    lora = estimate(method="lora", lora_r=2, **RUN)
     live = layers + logits
     assert lora.activations == live + int(live * memory.ALLOCATOR_SLACK["cpu"]["lora"])
     assert lora.activations > e.activations
@@ -232,14 +237,16 @@ def test_the_attention_mask_term_is_what_a_real_training_forward_keeps():
 
 def test_activations_are_the_larger_of_training_and_sampling_not_the_sum():
     kv = 64 * 4 * (8 + 3) * 2 * 1 * 5 * 2 * 4  # rows * tokens * (k, v) * kv heads * head_dim * layers * 4 B
-    e = memory.estimate(SHAPE, method="full", prompts_per_sampling_batch=64, **RUN)
+    e = estimate(method="full", prompts_per_sampling_batch=64, **RUN)
     assert (
         e.activations
         == kv
-        == memory.sampling_kv_cache(SHAPE, precision="fp32", rows=256, prompt_length=8, completion_length=3)
-    )
-    assert memory.estimate(SHAPE, method="full", **RUN).activations > memory.sampling_kv_cache(
-        SHAPE, precision="fp32", rows=8, prompt_length=8, completion_length=3
+        == memory.sampling_kv_cache(
+            memory.EstimateInputs(SHAPE, "full", prompts_per_sampling_batch=64, **RUN)
+        )
+    )  # 64 prompts x 4 = 256 rows
+    assert estimate(method="full", **RUN).activations > memory.sampling_kv_cache(
+        memory.EstimateInputs(SHAPE, "full", **RUN)  # one micro-batch: 8 rows
     )
 
 

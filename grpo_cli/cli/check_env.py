@@ -193,7 +193,7 @@ def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reward_model(cfg) -> dict[str, Any]:
-    """memory.estimate's reward-model arguments for a config with a reward model (reward=model, or
+    """memory.EstimateInputs' reward-model fields for a config with a reward model (reward=model, or
     its declaration under another name), else none."""
     from grpo_cli import memory
     from grpo_cli.rewards import REGISTRY, resolve_reward
@@ -245,7 +245,9 @@ def memory_estimate(
     scorer = _reward_model(cfg)  # reward=model: its shape and batch, counted beside the policy
     estimates = {
         method: memory.estimate(
-            shape, method=method, lora_r=lora_r, prompts_per_sampling_batch=sampling, **settings, **scorer
+            memory.EstimateInputs(
+                shape, method, lora_r=lora_r, prompts_per_sampling_batch=sampling, **settings, **scorer
+            )
         )
         for method in memory.METHODS
     }

@@ -216,6 +216,33 @@ def environment_factory(cfg) -> Callable[[], Any] | None:
     return None
 
 
+def check_environment(env, sampler) -> list[str]:
+    """environment.* (config validation): one of fn and tools, importable; a budget that fits the
+    vLLM engine. env, sampler: the environment and sampler groups."""
+    if not env.fn and not env.tools:
+        return []
+    problems = []
+    if env.fn and env.tools:
+        problems.append(
+            f"environment.fn={env.fn!r} and environment.tools={list(env.tools)} are both set; choose one "
+            "(an environment of your own, or tools that make the tool environment)."
+        )
+    if env.max_episode_tokens is not None and env.max_episode_tokens < 1:
+        problems.append(f"environment.max_episode_tokens={env.max_episode_tokens} must be >= 1, or null.")
+    try:
+        environment_factory(env)
+    except UserError as exc:
+        problems.append(str(exc))
+    if sampler.backend == "vllm" and sampler.max_model_len is None:
+        problems.append(
+            "sampler=vllm with an environment: set sampler.max_model_len to the longest episode's "
+            "sequence (the prompt with the environment's instructions, plus environment.max_episode_tokens), "
+            f"e.g. sampler.max_model_len={sampler.max_prompt_length + 512}; the default "
+            "(max_prompt_length + max_new_tokens) holds one turn only."
+        )
+    return problems
+
+
 def fresh_copies(env, n: int) -> list:
     """n environments in the state `env` is in now (a prompt's G episodes start alike)."""
     return [copy.deepcopy(env) for _ in range(n)]

@@ -84,6 +84,32 @@ def backend(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
+def check_sampling(s) -> list[str]:
+    """The sampler group's values that every backend reads (config validation): G, the adaptive
+    group's bound, temperature and top-p. s: the sampler group."""
+    problems = []
+    G = s.num_generations
+    if G < 2:
+        problems.append(
+            f"sampler.num_generations={G}: GRPO compares completions within a group, so it needs "
+            "at least 2 per prompt; set sampler.num_generations=8 (or any value >= 2)."
+        )
+    if s.max_generations is not None and (s.max_generations < G or s.max_generations % max(G, 1)):
+        problems.append(
+            f"sampler.max_generations={s.max_generations} must be a multiple of sampler.num_generations={G} "
+            f"and at least it (a prompt gets more completions {G} at a time); e.g. "
+            f"sampler.max_generations={4 * G}, or null for one round."
+        )
+    if not s.temperature > 0:
+        problems.append(
+            f"sampler.temperature={s.temperature} must be > 0 (log-probs are computed from "
+            "logits / temperature); use 1.0 for plain sampling."
+        )
+    if not 0 < s.top_p <= 1:
+        problems.append(f"sampler.top_p={s.top_p} must be in (0, 1]; 1.0 disables nucleus sampling.")
+    return problems
+
+
 def validate(cfg, world_size: int) -> list[str]:
     """The chosen backend's own checks of the whole config (cfg.sampler.backend is valid)."""
     return backend(cfg.sampler.backend).validate(cfg, world_size)
