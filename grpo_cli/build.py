@@ -44,7 +44,8 @@ from grpo_cli.precision import (
     to_weights_dtype,
 )
 from grpo_cli.rewards import Rewards, RewardSpec, build_rewards
-from grpo_cli.samplers import Sampler, build_sampler
+from grpo_cli.roles import Learner, Rollouts
+from grpo_cli.samplers import build_sampler
 
 
 def read_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -247,30 +248,46 @@ def load_policy(
 
 @dataclass
 class Parts:
-    """Everything the training loop runs on, built from the config."""
+    """What grpo-train runs on: its two roles (roles.Rollouts draws and scores, roles.Learner
+    learns), its held-out sets, and where the run stands."""
 
-    policy: Any  # a transformers model, or a PEFT model (LoRA adapters on the frozen base)
-    # The reference model, or None when loss.beta == 0: a frozen copy of the base model, or the
-    # policy itself when it has adapters (run under adapters.disabled_adapters).
-    ref: Any
-    tokenizer: Any
-    rewards: Rewards  # opened (built on the device); the engine closes them when the run ends
-    stream: PromptStream  # training prompts
+    rollouts: Rollouts
+    learner: Learner
     eval_examples: list[Example]  # held-out prompts
     wide_eval_examples: list[Example]  # the second held-out set (operands outside training's), or []
-    sampler: Sampler  # what draws the completions (sampler.backend)
-    # The optimizer, its schedule, bf16's fp32 masters, fp16's grad scaler, clipping and the skips.
-    opt_step: OptimizerStep
-    device: Any
-    precision: Precision
-    fast_paths: bool  # the model's type is in the tested matrix (models.tested_architecture)
     total_steps: int
     state: ckpt.TrainerState  # where the run starts (step 0, or the resumed checkpoint's)
     resumed_from: Path | None
-    # The training forward (logprobs.TokenLogprobs on the policy; under W processes wrapped in
-    # DDP, which all-reduces the gradients) and this process's place among the ranks.
-    scorer: Any
-    dist: Dist
+    dist: Dist  # this process's place among the ranks
+
+
+def build_rollouts(
+    cfg: Config, model, tokenizer, rewards: Rewards, *, precision, device, d: Dist | None = None, stream=None
+) -> Rollouts:
+    """The sampler of sampler.backend over `model` (an environment's episodes around it when one
+    is configured) and the rewards, opened on `device`: what grpo-train and grpo-eval draw and
+    score with. `d`: this process's rank (None: grpo-eval, one process); `stream`: the training
+    prompts (None: grpo-eval)."""
+    eos_ids = eos_token_ids(tokenizer, model)
+    sampler = build_sampler(
+        cfg.sampler,
+        model,
+        eos_ids=eos_ids,
+        pad_id=tokenizer.pad_token_id,
+        precision=precision,
+        fast_decode=tested_architecture(model),
+        seed=cfg.trainer.seed,
+        tokenizer=tokenizer,
+    )
+    sampler = with_environment(
+        sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
+    )
+    try:  # the rewards that have a build (a reward model) load here, once per process
+        rewards.open(device, d, dtype=precision.frozen_dtype)
+    except BaseException:
+        sampler.close()
+        raise
+    return Rollouts(cfg, sampler, rewards, tokenizer, stream, d or Dist(), device)
 
 
 def _resume_state(cfg: Config, run_dir: Path, fsdp: bool):
@@ -465,52 +482,26 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             "(no shared-prompt KV cache, no decode-time W @ x^T layers), and the step-0 self-check checks its "
             "log-probs."
         )
-    eos_ids = eos_token_ids(tokenizer, policy)
-    sampler = build_sampler(
-        s,
+    scorer = TokenLogprobs(
         policy,
-        eos_ids=eos_ids,
-        pad_id=tokenizer.pad_token_id,
-        precision=precision,
-        fast_decode=fast_paths,
-        seed=t.seed,
-        tokenizer=tokenizer,
+        temperature=s.temperature,
+        shared_prompt=fast_paths,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        chunk_size=t.logprob_chunk_size,
     )
-    sampler = with_environment(
-        sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
+    learner = Learner(
+        cfg, policy, ref, wrap_scorer(scorer, d, device), opt_step, precision, fast_paths, d, device
     )
-    try:  # the rewards that have a build (a reward model) load here, once per process
-        rewards.open(device, d, dtype=precision.frozen_dtype)
-    except BaseException:
-        sampler.close()
-        raise
     return Parts(
-        policy=policy,
-        ref=ref,
-        tokenizer=tokenizer,
-        rewards=rewards,
-        stream=stream,
+        rollouts=build_rollouts(
+            cfg, policy, tokenizer, rewards, precision=precision, device=device, d=d, stream=stream
+        ),
+        learner=learner,
         eval_examples=data.eval,
         wide_eval_examples=wide_eval,
-        sampler=sampler,
-        opt_step=opt_step,
-        device=device,
-        precision=precision,
-        fast_paths=fast_paths,
         total_steps=total_steps,
         state=state,
         resumed_from=resume_from,
-        scorer=wrap_scorer(
-            TokenLogprobs(
-                policy,
-                temperature=s.temperature,
-                shared_prompt=fast_paths,
-                top_k=s.top_k,
-                top_p=s.top_p,
-                chunk_size=t.logprob_chunk_size,
-            ),
-            d,
-            device,
-        ),
         dist=d,
     )

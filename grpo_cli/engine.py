@@ -29,7 +29,7 @@ from grpo_cli.build import Parts
 from grpo_cli.config import Config
 from grpo_cli.distributed import is_sharded, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
-from grpo_cli.evaluate import evaluate, group_values
+from grpo_cli.evaluate import group_values
 from grpo_cli.health import HealthMonitor
 from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
 from grpo_cli.optim import StepResult
@@ -65,7 +65,7 @@ def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=N
     except _OUT_OF_MEMORY as exc:
         found = ckpt.list_checkpoints(run_dir)
         raise UserError(
-            f"out of {parts.device.type} memory during training ({first_line(exc, 120)}). Lower "
+            f"out of {parts.learner.device.type} memory during training ({first_line(exc, 120)}). Lower "
             "trainer.prompts_per_step, sampler.num_generations or sampler.max_new_tokens, raise "
             "trainer.gradient_accumulation_steps, or set trainer.gradient_checkpointing=true"
             + (
@@ -75,15 +75,12 @@ def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=N
             )
         ) from exc
     finally:
-        try:
-            parts.sampler.close()
-        finally:
-            parts.rewards.close()
+        parts.rollouts.close()
 
 
 def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start) -> dict[str, Any]:
-    t, s, d, state = cfg.trainer, cfg.sampler, parts.dist, parts.state
-    precision, fast = parts.precision, parts.fast_paths
+    t, d, state = cfg.trainer, parts.dist, parts.state
+    rollouts, learner = parts.rollouts, parts.learner
     start_step, said_no_signal, last_row, before = state.step, False, {}, {}
     if on_start is not None:
         on_start()
@@ -99,80 +96,32 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             t0 = time.perf_counter()
 
             # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal).
-            sampled = phases.sample_and_score(
-                step,
-                stream=parts.stream,
-                sampler=parts.sampler,
-                rewards=parts.rewards,
-                tokenizer=parts.tokenizer,
-                dist=d,
-                device=parts.device,
-                trainer=t,
-                sampling=s,
-                loss=cfg.loss,
-            )
+            sampled = rollouts.draw(step)
             if sampled.train is None:  # dynamic sampling found no group with signal: skip the update
-                log.print(
-                    f"step {step}: every sampled group was zero-std after {t.max_sampling_tries} tries; "
-                    "no update (consider harder/easier data or a higher temperature)"
-                )
-                for warning in health.check({"step": step, "frac_reward_zero_std": 1.0}):
-                    log.warn(warning)
-                log.advance(step)
+                _no_group(step, t.max_sampling_tries, health, log)
                 continue
 
             # 2. Advantages per group (ref 004), detached; zero-std groups flagged (ref 002); the
             #    scored batch, frozen from here on; the step's loss normalisers; whether the step has
             #    any learning signal at all.
-            batch, norms, has_signal = phases.advantages(sampled, cfg.loss, parts.device)
+            batch, norms, has_signal = learner.batch(sampled)
 
             # 3. Micro-batches of whole groups (this rank's shard; zero-std groups left out, but on
             #    the first step, whose self-check compares every row); reference log-probs (beta > 0).
             first = t.self_check and not parts.resumed_from and step == start_step + 1
-            plan = phases.micro_batches(
-                batch,
-                prompts_per_step=t.prompts_per_step,
-                accumulation_steps=t.gradient_accumulation_steps,
-                zero_std_mode=cfg.loss.zero_std,
-                d=d,
-                skip_zero_std=t.skip_zero_std and not first,
-            )
-            tick, ref_logps = time.perf_counter(), None
-            if parts.ref is not None:
-                ref_logps = phases.reference_logprobs(
-                    parts.ref,
-                    batch,
-                    plan,
-                    temperature=s.temperature,
-                    precision=precision,
-                    shared_prompt=fast,
-                    chunk_size=t.logprob_chunk_size,
-                )
-            reference_seconds = time.perf_counter() - tick
+            plan = learner.plan(batch, first)
+            ref_logps, reference_seconds = learner.reference(batch, plan)
 
             # 4. num_iterations updates on this batch: gradient over the micro-batches, optimizer
             #    step (skipped when the loss or gradient is not finite, or there is no signal).
-            check = selfcheck.FirstStep(parts.policy, precision.name, s.temperature) if first else None
-            updated = phases.update(
-                batch,
-                plan,
-                phases.UpdateContext(norms, has_signal, ref_logps, self_check=check),
-                scorer=parts.scorer,
-                opt=parts.opt_step,
-                precision=precision,
-                tolerance=parts.sampler.tolerance,
-                lo=cfg.loss,
-                num_iterations=t.num_iterations,
-                max_new_tokens=s.max_new_tokens,
-                log=log,
+            check = (
+                selfcheck.FirstStep(learner.policy, learner.precision.name, cfg.sampler.temperature)
+                if first
+                else None
             )
-            updates = updated.stats
-            for result in updated.results:
-                if not result.finite:
-                    _note_nonfinite(updates, step, result, state, t, log)
-                elif not result.applied:
-                    updates.no_signal += 1
-                    said_no_signal = said_no_signal or _say_no_signal(step, log)
+            context = phases.UpdateContext(norms, has_signal, ref_logps, self_check=check)
+            updated = learner.update(batch, plan, context, rollouts.sampler.tolerance, log)
+            said_no_signal = _count_results(updated, step, run, said_no_signal)
             applied = any(result.applied for result in updated.results)
             if applied and run.bad_weights():  # a finite gradient can overflow the weights
                 run.diverged(step)
@@ -180,7 +129,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             # 5. A sampler with its own copy of the weights loads the new ones.
             tick = time.perf_counter()
             if applied:
-                parts.sampler.sync(parts.policy)
+                rollouts.sampler.sync(learner.policy)
             phase = {  # where the step's time went (seconds)
                 **sampled.seconds,
                 "reference": reference_seconds,
@@ -188,32 +137,22 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 "sync": time.perf_counter() - tick if applied else 0.0,
             }
 
-            # 6. Metrics (TRL's names), eval, completions, health, checkpoint.
-            updates.all_reduce(d)
-            lr = parts.opt_step.learning_rate
-            row = step_row(step, batch, sampled, updates, t.num_iterations, lr, t0, phase)
-            guards.record_step(state, step, updates.faults, t.max_bad_steps, t.num_iterations)
-            if state.bad_steps >= t.max_bad_steps:
-                log.log(row)
-                run.diverged(step)
-            if parts.eval_examples and (
-                (t.eval_steps and step % t.eval_steps == 0) or step == parts.total_steps
-            ):
-                row.update(run.evaluate())
-            logged = step % t.logging_steps == 0 or step == parts.total_steps
-            if t.log_completions and d.is_main:  # completions.jsonl; the samples table on logged steps
-                records = _completion_records(batch, sampled, parts.tokenizer, step, t.log_completions)
-                log.log_samples(records, logged)
-            for warning in health.check(row):  # each kind said once, with its fix
-                log.warn(warning)
-            if logged:
-                log.log(row)
-            else:
-                log.advance(step)
-            last_row = row
-            # (On the last step: finish normally.) Every rank stops at the same step.
-            if d.any(stop.requested) and step != parts.total_steps:
-                _stop_requested(stop, step, parts.total_steps, run, log)
+            # 6. Metrics (TRL's names), eval, completions, health; a checkpoint every save_steps.
+            updated.stats.all_reduce(d)
+            row = step_row(
+                step,
+                batch,
+                sampled,
+                updated.stats,
+                t.num_iterations,
+                learner.opt_step.learning_rate,
+                t0,
+                phase,
+            )
+            guards.record_step(state, step, updated.stats.faults, t.max_bad_steps, t.num_iterations)
+            last_row = run.record(step, row, batch, sampled)
+            if d.any(stop.requested) and step != parts.total_steps:  # (the last step finishes normally)
+                _stop_requested(stop, step, run)
             if step % t.save_steps == 0 and step != parts.total_steps:
                 run.save(step)
 
@@ -224,6 +163,30 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
         _say_before_after(log, before, last_row, parts)
     return last_row
+
+
+def _no_group(step: int, tries: int, health: HealthMonitor, log) -> None:
+    """A step whose dynamic sampling kept no group: said, and counted by the health checks."""
+    log.print(
+        f"step {step}: every sampled group was zero-std after {tries} tries; "
+        "no update (consider harder/easier data or a higher temperature)"
+    )
+    for warning in health.check({"step": step, "frac_reward_zero_std": 1.0}):
+        log.warn(warning)
+    log.advance(step)
+
+
+def _count_results(updated: phases.Updated, step: int, run: _Run, said_no_signal: bool) -> bool:
+    """Each optimizer step's outcome counted: non-finite (noted), or skipped for want of signal
+    (said once per run); returns whether that was said."""
+    t, state = run.cfg.trainer, run.parts.state
+    for result in updated.results:
+        if not result.finite:
+            _note_nonfinite(updated.stats, step, result, state, t, run.log)
+        elif not result.applied:
+            updated.stats.no_signal += 1
+            said_no_signal = said_no_signal or _say_no_signal(step, run.log)
+    return said_no_signal
 
 
 class _Run:
@@ -249,7 +212,7 @@ class _Run:
             dynamic_sampling=t.dynamic_sampling,
             enabled=t.health_checks,
             resume_step=start_step,
-            mismatch_tolerance=parts.sampler.tolerance[0],
+            mismatch_tolerance=parts.rollouts.sampler.tolerance[0],
         )
         self.resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
         group_by = cfg.data.eval_group_by
@@ -259,10 +222,35 @@ class _Run:
             if examples
         ]
 
+    def record(self, step: int, row: dict, batch: Batch, sampled: phases.Sampled) -> dict:
+        """A step's row, as logged: the divergence stop (trainer.max_bad_steps: guards.record_step
+        counted the step), held-out
+        evaluation every trainer.eval_steps and at the end, the completions (completions.jsonl; the
+        samples table on logged steps), the health warnings, the row on every logging_steps."""
+        t, state, log, last = self.cfg.trainer, self.parts.state, self.log, step == self.parts.total_steps
+        if state.bad_steps >= t.max_bad_steps:
+            log.log(row)
+            self.diverged(step)
+        if self.parts.eval_examples and ((t.eval_steps and step % t.eval_steps == 0) or last):
+            row.update(self.evaluate())
+        logged = step % t.logging_steps == 0 or last
+        if t.log_completions and self.parts.dist.is_main:
+            records = _completion_records(
+                batch, sampled, self.parts.rollouts.tokenizer, step, t.log_completions
+            )
+            log.log_samples(records, logged)
+        for warning in self.health.check(row):  # each kind said once, with its fix
+            log.warn(warning)
+        if logged:
+            log.log(row)
+        else:
+            log.advance(step)
+        return row
+
     def bad_weights(self) -> list[str]:
         """Parameters holding a NaN or an infinity, decided alike on every process (FSDP: each
         checks its shard)."""
-        bad = guards.nonfinite_params(self.parts.policy)
+        bad = guards.nonfinite_params(self.parts.learner.policy)
         anywhere = self.parts.dist.any(bool(bad))  # (every process takes part: a collective)
         return bad or (["a parameter of another process"] if anywhere else [])
 
@@ -279,49 +267,41 @@ class _Run:
         )
 
     def save(self, step: int) -> Path | None:
-        p, d, state, opt = self.parts, self.parts.dist, self.parts.state, self.parts.opt_step
+        d, state, policy = self.parts.dist, self.parts.state, self.parts.learner.policy
+        opt = self.parts.learner.opt_step
         bad = self.bad_weights()
         if bad:  # never write weights that would load but are garbage
             self.log.warn(
                 f"step {step}: the weights are not finite (e.g. {', '.join(bad)}); checkpoint not written."
             )
             return None
-        state.step, state.stream = step, p.stream.state()
+        state.step, state.stream = step, self.parts.rollouts.stream.state()
         state.grad_scaler = opt.scaler_state()
         rng_ranks = d.gather(ckpt.rng_state())  # every rank's; rank 0 writes the checkpoint
         path = None
-        if d.is_main or is_sharded(p.policy):  # (FSDP: every process writes its shard)
+        if d.is_main or is_sharded(policy):  # (FSDP: every process writes its shard)
             path = ckpt.save_checkpoint(
                 self.run_dir,
                 state,
-                model=p.policy,
-                tokenizer=p.tokenizer,
+                model=policy,
+                tokenizer=self.parts.rollouts.tokenizer,
                 optimizer=opt.optimizer,
                 scheduler=opt.scheduler,
                 config_yaml=self.config_yaml,
                 keep_last=self.cfg.trainer.keep_last,
                 rng_ranks=rng_ranks,
                 dist=d,
-                state_dict=opt.masters.state_dict(p.policy) if opt.masters else None,  # the fp32 weights
+                state_dict=opt.masters.state_dict(policy) if opt.masters else None,  # the fp32 weights
             )
         return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
 
     def evaluate(self) -> dict[str, float]:
         """The held-out set, and the wide one (operands outside training's) when there is one,
         greedy, with accuracy per value of data.eval_group_by (kind of problem)."""
-        p, d, out = self.parts, self.parts.dist, {}
+        d, out = self.parts.dist, {}
         for prefix, examples, groups in self.eval_sets:
             mine = [examples[i] for i in shard(len(examples), d.rank, d.world_size)]
-            out |= evaluate(
-                p.sampler,
-                p.tokenizer,
-                mine,
-                p.rewards,
-                reduce=d.sum,
-                prefix=prefix,
-                group_by=self.cfg.data.eval_group_by,
-                groups=groups,
-            )
+            out |= self.parts.rollouts.evaluate(mine, prefix, groups)
         return out
 
 
@@ -410,8 +390,9 @@ def _say_no_signal(step: int, log) -> bool:
     return True
 
 
-def _stop_requested(stop: _StopFlag, step: int, total_steps: int, run: _Run, log) -> None:
+def _stop_requested(stop: _StopFlag, step: int, run: _Run) -> None:
     """After a SIGINT/SIGTERM: save this step, say how to resume, exit 130/143."""
+    total_steps, log = run.parts.total_steps, run.log
     path = run.save(step)
     log.flush_table()
     found = ckpt.list_checkpoints(run.run_dir)

@@ -141,17 +141,17 @@ def test_reference_logprobs_are_the_base_models_exactly(compose, tmp_path):
     from grpo_cli.models import ModelSource, build_tiny, load_model
 
     cfg, parts = _parts(compose, tmp_path, LORA + ["loss.beta=0.04"])
-    assert parts.ref is parts.policy  # no second model
-    _perturb_adapters(parts.policy)
+    assert parts.learner.ref is parts.learner.policy  # no second model
+    _perturb_adapters(parts.learner.policy)
     base = load_model(
         ModelSource(str(build_tiny()), None, "tiny"), device=torch.device("cpu"), trainable=False
     )
-    r = _rollout(base, parts.tokenizer)
+    r = _rollout(base, parts.rollouts.tokenizer)
     with torch.no_grad():
         expected = token_logprobs(base, *r.inputs(), temperature=0.7)
-        with disabled_adapters(parts.ref):
-            ref = token_logprobs(parts.ref, *r.inputs(), temperature=0.7)
-        adapted = token_logprobs(parts.policy, *r.inputs(), temperature=0.7)
+        with disabled_adapters(parts.learner.ref):
+            ref = token_logprobs(parts.learner.ref, *r.inputs(), temperature=0.7)
+        adapted = token_logprobs(parts.learner.policy, *r.inputs(), temperature=0.7)
     assert torch.equal(ref, expected)
     assert not torch.allclose(adapted, expected, atol=1e-3)  # the adapters are back on afterwards
 
@@ -161,10 +161,10 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(compose, tmp_
     from grpo_cli.models import build_tiny
 
     cfg, parts = _parts(compose, tmp_path, LORA + SIGNAL + ["loss.beta=0.04", "trainer.max_steps=3"])
-    policy = parts.policy
+    policy = parts.learner.policy
     adapter_names = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert adapter_names and all("lora_A" in n or "lora_B" in n for n in adapter_names)
-    held = {id(p) for group in parts.opt_step.optimizer.param_groups for p in group["params"]}
+    held = {id(p) for group in parts.learner.opt_step.optimizer.param_groups for p in group["params"]}
     assert held == {id(p) for n, p in policy.named_parameters() if n in adapter_names}
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     train(cfg, parts, tmp_path, "{}", on_start=None)
@@ -200,7 +200,7 @@ def test_grad_norm_covers_only_the_adapters(compose, tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine.torch.nn.utils, "clip_grad_norm_", clip)
     train(cfg, parts, tmp_path, "{}")
-    assert seen["ids"] == {id(p) for p in parts.policy.parameters() if p.requires_grad}
+    assert seen["ids"] == {id(p) for p in parts.learner.policy.parameters() if p.requires_grad}
 
 
 def test_decode_fast_path_and_shared_prompt_forward_match_the_plain_paths_with_adapters(compose, tmp_path):
@@ -211,7 +211,7 @@ def test_decode_fast_path_and_shared_prompt_forward_match_the_plain_paths_with_a
     from grpo_cli.samplers.builtin import sample
 
     cfg, parts = _parts(compose, tmp_path, LORA)
-    model, tok = parts.policy, parts.tokenizer
+    model, tok = parts.learner.policy, parts.rollouts.tokenizer
     _perturb_adapters(model)
     prompts = [tok("What is 2 plus 3?")["input_ids"], tok("Hi")["input_ids"]]
     kw = dict(
@@ -241,11 +241,11 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(compose, tmp_pa
     grads = []
     for gc in (False, True):
         cfg, parts = _parts(compose, tmp_path / str(gc), LORA + [f"trainer.gradient_checkpointing={gc}"])
-        assert checkpointing(parts.policy) is gc
-        _perturb_adapters(parts.policy)
-        r = _rollout(parts.policy, parts.tokenizer)
-        token_logprobs(parts.policy, *r.inputs(), temperature=1.0).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in parts.policy.named_parameters() if p.requires_grad})
+        assert checkpointing(parts.learner.policy) is gc
+        _perturb_adapters(parts.learner.policy)
+        r = _rollout(parts.learner.policy, parts.rollouts.tokenizer)
+        token_logprobs(parts.learner.policy, *r.inputs(), temperature=1.0).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in parts.learner.policy.named_parameters() if p.requires_grad})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)
@@ -254,9 +254,9 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(compose, tmp_pa
 
 def test_lora_on_a_bf16_base_keeps_fp32_adapters_and_trains(compose, tmp_path):
     cfg, parts = _parts(compose, tmp_path, LORA + SIGNAL + ["trainer.precision=bf16", "trainer.max_steps=2"])
-    dtypes = {p.dtype for p in parts.policy.parameters() if not p.requires_grad}
+    dtypes = {p.dtype for p in parts.learner.policy.parameters() if not p.requires_grad}
     assert dtypes == {torch.bfloat16}
-    assert {p.dtype for p in parts.policy.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in parts.learner.policy.parameters() if p.requires_grad} == {torch.float32}
     from grpo_cli.engine import train
 
     last = train(cfg, parts, tmp_path, "{}")

@@ -176,10 +176,10 @@ def test_master_weights_sum_micro_batch_gradients_in_fp32():
 
 def test_bf16_run_samples_and_trains_on_bf16_weights_while_the_optimizer_steps_fp32(compose, tmp_path):
     cfg, parts = _parts(compose, tmp_path, ["trainer.precision=bf16", "loss.beta=0.04"])
-    policy, ref, masters = parts.policy, parts.ref, parts.opt_step.masters
+    policy, ref, masters = parts.learner.policy, parts.learner.ref, parts.learner.opt_step.masters
     assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
-    stepped = [p for group in parts.opt_step.optimizer.param_groups for p in group["params"]]
+    stepped = [p for group in parts.learner.opt_step.optimizer.param_groups for p in group["params"]]
     assert [id(p) for p in stepped] == [id(p) for p in masters.params]
     assert all(p.dtype == torch.float32 for p in stepped)
     # The reference starts equal to the policy (the same rounding of the same fp32 weights).

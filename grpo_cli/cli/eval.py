@@ -32,23 +32,20 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     from grpo_cli.adapters import check_quantization
     from grpo_cli.build import (
         build_data,
+        build_rollouts,
         build_tokenizer,
         build_wide_eval,
         check_reward_columns,
-        eos_token_ids,
         load_policy,
         read_data,
         read_wide_eval,
     )
     from grpo_cli.config.schema import DataConfig
-    from grpo_cli.environments.episodes import with_environment
-    from grpo_cli.evaluate import check_group_by, grade, group_values
+    from grpo_cli.evaluate import check_group_by, group_values
     from grpo_cli.loss import zero_std_groups
     from grpo_cli.metrics import pass_rate_histogram
-    from grpo_cli.models import tested_architecture
     from grpo_cli.precision import resolve_device, resolve_precision
     from grpo_cli.rewards import build_rewards, correctness
-    from grpo_cli.samplers import build_sampler
 
     t, s = cfg.trainer, cfg.sampler
     rewards = build_rewards(cfg.reward)
@@ -68,35 +65,13 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     by = cfg.data.eval_group_by
     check_group_by(by, examples, default=DataConfig().eval_group_by)
     model = load_policy(cfg, source, device, precision, trainable=False)
-    eos_ids = eos_token_ids(tokenizer, model)
-    sampler = build_sampler(
-        s,
-        model,
-        eos_ids=eos_ids,
-        pad_id=tokenizer.pad_token_id,
-        precision=precision,
-        fast_decode=tested_architecture(model),
-        seed=t.seed,
-        tokenizer=tokenizer,
-    )
-    sampler = with_environment(
-        sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
-    )
+    rollouts = build_rollouts(cfg, model, tokenizer, rewards, precision=precision, device=device)
     try:
-        rewards.open(device, dtype=precision.frozen_dtype)
         judge = correctness(rewards)
         torch.manual_seed(t.seed)
 
         def run(group: int, greedy: bool, examples=examples):  # the evaluator of grpo-train too
-            return grade(
-                sampler,
-                tokenizer,
-                examples,
-                rewards,
-                num_generations=group,
-                greedy=greedy,
-                prompts_per_call=max(1, 64 // group),
-            )
+            return rollouts.grade(examples, num_generations=group, greedy=greedy)
 
         def per_group(name: str, graded, examples, G: int = 1) -> None:  # e.g. greedy_accuracy/minus
             """The accuracy rule per value of data.eval_group_by; pass@G: a prompt with any pass."""
@@ -156,10 +131,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
             result["advice"] = _advice(result["pass@1"])
         result["seconds"] = time.perf_counter() - t0
     finally:
-        try:
-            sampler.close()
-        finally:
-            rewards.close()
+        rollouts.close()
     return result
 
 

@@ -1,0 +1,148 @@
+"""The run's roles, built once from the config (build.py) and shared by grpo-train and grpo-eval:
+`Rollouts` draws and scores (prompts -> scored records), `Learner` learns from them (a scored
+batch -> an optimizer step). Each holds its parts and reads the config by name, so the loop
+(engine.py) calls them with a few arguments and wires nothing by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_cli import step as phases
+from grpo_cli.config import Config
+from grpo_cli.distributed import Dist
+from grpo_cli.evaluate import evaluate, grade
+from grpo_cli.optim import OptimizerStep
+from grpo_cli.precision import Precision
+from grpo_cli.rewards import Rewards
+from grpo_cli.samplers import Sampler
+from grpo_cli.scored import Scored
+
+
+@dataclass
+class Rollouts:
+    """Prompts -> scored rollouts: the sampler (an environment's episodes included), the rewards
+    (opened), the tokenizer, the training prompts' stream (None for grpo-eval)."""
+
+    cfg: Config
+    sampler: Sampler
+    rewards: Rewards
+    tokenizer: Any
+    stream: Any
+    dist: Dist
+    device: Any
+
+    def draw(self, step: int) -> phases.Sampled:
+        """The step's groups, sampled and scored (step.sample_and_score)."""
+        return phases.sample_and_score(
+            step,
+            stream=self.stream,
+            sampler=self.sampler,
+            rewards=self.rewards,
+            tokenizer=self.tokenizer,
+            dist=self.dist,
+            device=self.device,
+            trainer=self.cfg.trainer,
+            sampling=self.cfg.sampler,
+            loss=self.cfg.loss,
+        )
+
+    def grade(self, examples: list, num_generations: int = 1, greedy: bool = True) -> Scored | None:
+        """Held-out prompts, G completions each, scored (evaluate.grade; 64 completions a call)."""
+        return grade(
+            self.sampler,
+            self.tokenizer,
+            examples,
+            self.rewards,
+            num_generations=num_generations,
+            greedy=greedy,
+            prompts_per_call=max(1, 64 // num_generations),
+        )
+
+    def evaluate(self, examples: list, prefix: str, groups: list[str]) -> dict[str, float]:
+        """grpo-train's eval/ metrics of this rank's share of a held-out set (evaluate.evaluate)."""
+        return evaluate(
+            self.sampler,
+            self.tokenizer,
+            examples,
+            self.rewards,
+            reduce=self.dist.sum,
+            prefix=prefix,
+            group_by=self.cfg.data.eval_group_by,
+            groups=groups,
+        )
+
+    def close(self) -> None:
+        """The sampler, then the rewards, however either ends."""
+        try:
+            self.sampler.close()
+        finally:
+            self.rewards.close()
+
+
+@dataclass
+class Learner:
+    """A scored batch -> an optimizer step: the policy, the reference (None when loss.beta is 0),
+    the training forward (`scorer`: logprobs.TokenLogprobs, under DDP wrapped), the optimizer step,
+    the precision, and whether the model takes the tested fast paths."""
+
+    cfg: Config
+    policy: Any
+    ref: Any
+    scorer: Any
+    opt_step: OptimizerStep
+    precision: Precision
+    fast_paths: bool
+    dist: Dist
+    device: Any
+
+    def batch(self, sampled: phases.Sampled):
+        """(Batch, loss normalisers, has learning signal): step.advantages."""
+        return phases.advantages(sampled, self.cfg.loss, self.device)
+
+    def plan(self, batch, first: bool) -> phases.MicroBatches:
+        """This rank's micro-batches (zero-std groups skipped, but on the first step: its self-check
+        compares every row)."""
+        t = self.cfg.trainer
+        return phases.micro_batches(
+            batch,
+            prompts_per_step=t.prompts_per_step,
+            accumulation_steps=t.gradient_accumulation_steps,
+            zero_std_mode=self.cfg.loss.zero_std,
+            d=self.dist,
+            skip_zero_std=t.skip_zero_std and not first,
+        )
+
+    def reference(self, batch, plan) -> tuple[Any, float]:
+        """The reference model's log-probs [N, C] (None without one) and the seconds they took."""
+        tick = time.perf_counter()
+        if self.ref is None:
+            return None, time.perf_counter() - tick
+        ref_logps = phases.reference_logprobs(
+            self.ref,
+            batch,
+            plan,
+            temperature=self.cfg.sampler.temperature,
+            precision=self.precision,
+            shared_prompt=self.fast_paths,
+            chunk_size=self.cfg.trainer.logprob_chunk_size,
+        )
+        return ref_logps, time.perf_counter() - tick
+
+    def update(self, batch, plan, context: phases.UpdateContext, tolerance, log) -> phases.Updated:
+        """num_iterations updates on the batch (step.update); `tolerance`: the sampler's."""
+        return phases.update(
+            batch,
+            plan,
+            context,
+            scorer=self.scorer,
+            opt=self.opt_step,
+            precision=self.precision,
+            tolerance=tolerance,
+            lo=self.cfg.loss,
+            num_iterations=self.cfg.trainer.num_iterations,
+            max_new_tokens=self.cfg.sampler.max_new_tokens,
+            log=log,
+        )
