@@ -5,7 +5,8 @@ dataset's columns, trainer_state, log_metric); any other keeps grpo-cli's fn(com
 import pytest
 
 from grpo_cli.rewards import RewardError, build_rewards, score_rewards
-from grpo_cli.rewards.scoring import TrainerProgress, by_keyword
+from grpo_cli.rewards._calling import by_keyword
+from grpo_cli.rewards.scoring import TrainerProgress
 
 
 def _score(rewards: dict, completions, **kw):

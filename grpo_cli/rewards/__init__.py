@@ -8,7 +8,7 @@ A reward is a plain function with TRL's signature::
 ``prompts`` and ``completion_ids``, plus the reward's own options from YAML.
 Rewards must accept and ignore unknown keyword arguments. A function that names a parameter
 ``completions`` is called as TRL calls rewards, all by keyword (and gets ``trainer_state`` and
-``log_metric`` too: scoring.by_keyword, docs/rewards.md).
+``log_metric`` too: _calling.by_keyword, docs/rewards.md).
 
 Completions arrive as TRL passes them (``as_reward_input``): plain strings when
 the dataset's prompts are text, and ``[{"role": "assistant", "content": ...}]``
@@ -44,6 +44,7 @@ import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ._calling import names_parameter, requires_parameter
 from ._common import RewardError, completion_text, preview
 from .base import ROLES, Reward, Rewards, RewardSpec
 from .scoring import (
@@ -52,9 +53,7 @@ from .scoring import (
     clean_up_spaces,
     conversation,
     decode_completions,
-    names_parameter,
     passes,
-    requires_parameter,
     reward_metrics,
     score,
     score_examples,

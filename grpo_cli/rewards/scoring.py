@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_cli.calls import call_with_timeout
 
+from ._calling import by_keyword, invoke
 from ._common import RewardError, preview
 from .base import RewardSpec
 
@@ -46,36 +47,6 @@ class TrainerProgress:
 
     global_step: int = 0
     max_steps: int = 0
-
-
-def by_keyword(fn: Callable) -> bool:
-    """Whether a reward takes TRL's keyword-only call: it names `completions` as a parameter (TRL
-    calls every reward as fn(prompts=..., completions=..., completion_ids=..., trainer_state=...,
-    log_metric=..., log_extra=..., **columns)). Any other function keeps grpo-cli's documented
-    call, fn(completions, **kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    named = params.get("completions")
-    return named is not None and named.kind is not inspect.Parameter.VAR_POSITIONAL
-
-
-def requires_parameter(fn: Callable, name: str) -> bool:
-    """Whether fn names `name` as a parameter without a default."""
-    try:
-        param = inspect.signature(fn).parameters.get(name)
-    except (TypeError, ValueError):
-        return False
-    return param is not None and param.default is inspect.Parameter.empty
-
-
-def names_parameter(fn: Callable, name: str) -> bool:
-    """Whether fn names `name` as a parameter of its own (not only through **kwargs)."""
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _row_kwargs(kwargs: Mapping[str, Any], data_keys: Sequence[str], i: int) -> dict[str, Any]:
@@ -138,14 +109,6 @@ def _hung(spec: RewardSpec, exc: BaseException) -> RewardError:
         "answers, a verifier stuck on one input) would freeze the run, so it stops here. Fix the "
         f"reward, or raise reward.{spec.name}.call_timeout_s if its calls are just slow."
     )
-
-
-def invoke(fn: Callable, completions: list, kwargs: dict):
-    """One call of a reward function: all by keyword where it names `completions` (TRL's call,
-    by_keyword), else completions first (grpo-cli's documented call)."""
-    if by_keyword(fn):
-        return fn(completions=completions, **kwargs)
-    return fn(completions, **kwargs)
 
 
 def _metric_logger(logged: dict[str, list[float]] | None) -> Callable[[str, float], None]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo_cli.calls import call_with_timeout
-from grpo_cli.rewards.scoring import invoke
+from grpo_cli.rewards._calling import invoke
 
 
 def _one(fn: Callable, completion: Any, kwargs: dict, timeout_s: float | None, what: str):
