@@ -245,7 +245,9 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(compose, tmp_pa
         _perturb_adapters(parts.learner.policy)
         r = _rollout(parts.learner.policy, parts.rollouts.tokenizer)
         token_logprobs(parts.learner.policy, *r.inputs(), temperature=1.0).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in parts.learner.policy.named_parameters() if p.requires_grad})
+        grads.append(
+            {n: p.grad.clone() for n, p in parts.learner.policy.named_parameters() if p.requires_grad}
+        )
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)

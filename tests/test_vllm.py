@@ -473,7 +473,7 @@ def test_prompts_beyond_one_step_budget_sample_with_seeds(engine):
 
 
 def test_a_stalled_engine_step_stops_with_one_paragraph(engine, monkeypatch):
-    """An engine step slower than sampler.stall_timeout raises EngineStalled (a UserError: one
+    """An engine step slower than sampler.stall_timeout_s raises EngineStalled (a UserError: one
     paragraph, exit 2) naming the key and the likely cause; the engine's step is restored after."""
     import time
     from dataclasses import replace
@@ -486,11 +486,11 @@ def test_a_stalled_engine_step_stops_with_one_paragraph(engine, monkeypatch):
         time.sleep(3)
         return step()
 
-    monkeypatch.setattr(engine, "cfg", replace(engine.cfg, stall_timeout=1))
+    monkeypatch.setattr(engine, "cfg", replace(engine.cfg, stall_timeout_s=1))
     monkeypatch.setattr(engine.llm.llm_engine, "step", slow_step)
     with pytest.raises(EngineStalled) as err:
         engine.generate(PROMPTS, seeds=[1, 2, 3], num_generations=2)
-    assert "sampler.stall_timeout=1 s" in str(err.value) and "another program" in str(err.value)
+    assert "sampler.stall_timeout_s=1 s" in str(err.value) and "another program" in str(err.value)
     monkeypatch.undo()
     assert engine.llm.llm_engine.step == step
 
@@ -510,7 +510,7 @@ def test_an_engine_step_that_never_returns_ends_the_process_with_the_paragraph(t
         "from grpo_cli.precision import resolve_precision\n"
         "from grpo_cli.samplers.vllm import VLLMSampler\n"
         "policy = AutoModelForCausalLM.from_pretrained(BUILTINS['tiny32'](), dtype=torch.float32)\n"
-        "cfg = SamplerConfig(backend='vllm', max_new_tokens=4, kv_cache_gib=0.25, stall_timeout=1)\n"
+        "cfg = SamplerConfig(backend='vllm', max_new_tokens=4, kv_cache_gib=0.25, stall_timeout_s=1)\n"
         "precision = resolve_precision('fp32', torch.device('cpu'), adapted=False)\n"
         "s = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=precision, seed=0)\n"
         "def stuck():\n"

@@ -3,9 +3,11 @@ checkpoint's saved config), validating it, and reporting failures as one short p
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from grpo_cli.config import Config, to_typed, validate
+from grpo_cli.config.renamed import apply_renames
 from grpo_cli.errors import UserError
 
 
@@ -67,6 +69,8 @@ def compose_config(
                 "+reward.NAME.fn=package.module:function."
             )
         raise UserError(message) from exc
+    for note in apply_renames(cfg):  # an old key's name (a saved config's too): read as the new one
+        print(f"note: {note}", file=sys.stderr, flush=True)
     if check:
         problems = validate(cfg, unused_ok=bool(checkpoint))
         if problems:

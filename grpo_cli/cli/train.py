@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_cli import distributed, memory, plots
 from grpo_cli.cli.sweep import RunFailed, Sweep
 from grpo_cli.config import Config, to_typed, unused_settings, validate
+from grpo_cli.config.renamed import apply_renames
 from grpo_cli.errors import (
     EXIT_DIVERGED,
     EXIT_USER_ERROR,
@@ -158,6 +159,9 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
     trainer.num_processes > 1: start that many workers (this same command) and wait for them;
     a worker (started by torchrun or by that launcher) joins the others first."""
     d = distributed.from_env()
+    for note in apply_renames(cfg):  # an old key's name: read as the new one
+        if d.is_main:
+            print(f"grpo-train: note: {note}", file=sys.stderr, flush=True)
     # A sweep job's workers (trainer.num_processes) run as plain runs: the launcher marks them.
     problems = validate(cfg, unused_ok=in_sweep or os.environ.get(_SWEEP_JOB) == "1")
     if in_sweep and d.is_main:  # a setting shared by every job of a sweep may not apply to this one

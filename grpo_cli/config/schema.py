@@ -111,7 +111,9 @@ class SamplerConfig:
     # take before the engine counts as stalled: the run stops with one paragraph (the checkpoints
     # written so far are kept). The slowest step seen here is ~10 s (SmolLM2-135M fp32, 4,096
     # prefill tokens on 2 cores); 300 leaves room for a 1.5B model on a CPU. 0: no limit.
-    stall_timeout: float = 300.0
+    stall_timeout_s: float = 300.0
+    # Deprecated: the old name of stall_timeout_s, read as it with a note (config/renamed.py).
+    stall_timeout: Optional[float] = None
 
 
 @dataclass

@@ -57,7 +57,7 @@ KEYS = (
     "max_model_len",
     "kv_cache_gib",
     "enforce_eager",
-    "stall_timeout",
+    "stall_timeout_s",
 )
 
 
@@ -106,9 +106,9 @@ def validate(cfg, world_size: int) -> list[str]:
         problems.append(
             f"sampler.kv_cache_gib={s.kv_cache_gib} must be > 0 (GiB of KV cache on a CPU); e.g. 1."
         )
-    if not s.stall_timeout >= 0:
+    if not s.stall_timeout_s >= 0:
         problems.append(
-            f"sampler.stall_timeout={s.stall_timeout} must be >= 0 (seconds one engine step may take "
+            f"sampler.stall_timeout_s={s.stall_timeout_s} must be >= 0 (seconds one engine step may take "
             "before the run stops as stalled); 300 is the default, 0 turns the limit off."
         )
     need = s.max_prompt_length + s.max_new_tokens
@@ -200,17 +200,17 @@ def named_weights(policy):
 
 
 class EngineStalled(UserError):
-    """An engine step took longer than sampler.stall_timeout (exit 2, one paragraph)."""
+    """An engine step took longer than sampler.stall_timeout_s (exit 2, one paragraph)."""
 
 
 def stalled_message(seconds: float, what: str) -> str:
     return (
         f"sampler.backend=vllm: the vLLM engine stalled: one engine step ({what}) took more than "
-        f"sampler.stall_timeout={seconds:g} s, so the run stops (the checkpoints written so far are kept: "
+        f"sampler.stall_timeout_s={seconds:g} s, so the run stops (the checkpoints written so far are kept: "
         "resume with trainer.resume=auto). On a CPU this happens when another program keeps the cores "
         "busy: vLLM's CPU kernels spin on every core they were given, and slow down many times over when "
         "they must share them. Run it alone, give it fewer threads (OMP_NUM_THREADS), raise "
-        "sampler.stall_timeout for a model this slow (0 turns the limit off), or choose sampler=default."
+        "sampler.stall_timeout_s for a model this slow (0 turns the limit off), or choose sampler=default."
     )
 
 
@@ -405,7 +405,7 @@ class VLLMSampler:
             for b in range(len(prompts))
         ]
         with _StallGuard(
-            self.llm.llm_engine, s.stall_timeout, what=f"{len(prompts)} prompts x {num_generations}"
+            self.llm.llm_engine, s.stall_timeout_s, what=f"{len(prompts)} prompts x {num_generations}"
         ):
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
