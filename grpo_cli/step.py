@@ -4,7 +4,7 @@ few objects it uses:
     sample_and_score -> advantages -> micro_batches -> reference_logprobs -> update
 
 Each returns what it made (and the seconds it spent), and changes nothing it was given but the
-policy's gradients. The math is in loss.py, the log-probs in logprobs/, the sampling behind a
+policy's gradients. The math is in loss/, the log-probs in logprobs/, the sampling behind a
 samplers.Sampler, the optimizer's side of an update in optim.OptimizerStep. The group size is
 read from the config once, where the sampler is asked for completions; from there on it travels
 with the rollout (Rollout.num_generations). Rule numbers (ref 000.1, ...) are in docs/reference.md.

@@ -722,3 +722,40 @@ def test_importance_weights_scale_the_policy_term_not_the_kl():
     _, g_kl, _ = grad_of(logps, old, ref, torch.zeros(2, dtype=F64), mask, beta=0.1)
     _, g_kl_w, _ = grad_of(logps, old, ref, torch.zeros(2, dtype=F64), mask, beta=0.1, importance_weights=w)
     torch.testing.assert_close(g_kl_w, g_kl)  # KL gradient untouched
+
+
+# --------------------------------------------------------------------------- the loss table
+
+
+def test_a_loss_variant_is_one_row_of_the_table(monkeypatch, compose):
+    """A new loss_type is its policy term (a pure function) plus one row of loss.LOSSES: grpo_loss
+    runs the row's term and reduction, and config validation takes the allowed names from the
+    table, so the new name validates with no other edit."""
+    from grpo_cli.config import validate
+
+    def unclipped(ratio, adv, cfg):  # a policy term: -r A, no trust region
+        return -ratio * adv  # [B, T]
+
+    def token_sum(per_token_loss, valid, counts):  # a reduction: no normaliser at all
+        return per_token_loss.sum()  # []
+
+    name = "throwaway"
+    logps, old, ref, mask = make_batch([3, 2, 0], 3)
+    old[0, 0] = logps[0, 0] - 1.0  # ratio e: far outside the clip range, the surrogate's gradient is 0
+    adv = torch.tensor([1.0, -0.5, 2.0], dtype=F64)
+    assert any(f"loss.loss_type='{name}'" in p for p in validate(compose([f"loss.loss_type={name}"])))
+    with pytest.raises(ValueError, match=name):
+        grpo_loss(logps, old, ref, adv, mask, loss_type=name)
+
+    monkeypatch.setitem(
+        loss_module.LOSSES, name, loss_module.Variant(policy_term=unclipped, reduce=token_sum)
+    )
+    assert validate(compose([f"loss.loss_type={name}"])) == []
+    loss, grad, _ = grad_of(logps, old, ref, adv, mask, loss_type=name, beta=0.1)
+    ratio = torch.exp(logps - old)  # [B, T]
+    kl = per_token_kl(logps, ref, mask)  # [B, T], k3
+    torch.testing.assert_close(loss, ((-ratio * adv[:, None] + 0.1 * kl) * mask).sum())
+    # d(-r A)/dlogp = -r A; d(k3)/dlogp = 1 - exp(ref - logp)
+    torch.testing.assert_close(grad, (-ratio * adv[:, None] + 0.1 * (1 - torch.exp(ref - logps))) * mask)
+    _, clipped_grad, _ = grad_of(logps, old, ref, adv, mask, loss_type="bnpo")
+    assert clipped_grad[0, 0] == 0 and grad[0, 0] != 0  # the row's term, not the clipped one

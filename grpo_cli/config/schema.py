@@ -124,7 +124,7 @@ class LossConfig:
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None  # None: same as epsilon (DAPO clip-higher when larger)
     delta: Optional[float] = None  # two-sided clip of the ratio; None: off
-    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
+    loss_type: str = "grpo"  # a row of the loss table, grpo_cli.loss.LOSSES
     kl_estimator: str = "k3"  # k1 | k2 | k3
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
     scale_rewards: str = "group"  # group | batch | none

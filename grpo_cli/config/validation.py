@@ -6,7 +6,7 @@ set that the chosen option ignores (`unused_settings`).
 (and the chosen backend's validate), optim.check_optimizer, distributed.check_processes,
 environments.check_environment, trackers.check_report_to (W&B's credentials too), data.check_data,
 adapters.check_adapter, rewards.check_rewards. What stays here: every group's choices, counts and
-amounts; the loss group's bounds (loss.py imports torch); the trainer's batch, device and resume;
+amounts; the loss group's bounds (grpo_cli.loss imports torch); the trainer's batch, device and resume;
 and the unused settings, which compare each group with its schema defaults."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "sampler.backend": samplers.BACKENDS,
         "environment.on_error": ("raise", "mask"),
         "environment.protocol": ("tag", "native"),
-        "loss.loss_type": loss.LOSS_TYPES,
+        "loss.loss_type": tuple(loss.LOSSES),  # the loss table's rows
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
         "loss.scale_rewards": loss.SCALE_REWARDS,
@@ -157,7 +157,7 @@ def _value_problems(cfg: Any) -> list[str]:
 
 
 def _loss_problems(lo: Any) -> list[str]:
-    """The loss group's bounds (here, not in loss.py: that module imports torch)."""
+    """The loss group's bounds (here, not in grpo_cli.loss: that package imports torch)."""
     problems = []
     if not 0 < lo.epsilon < 1:
         problems.append(f"loss.epsilon={lo.epsilon} must be in (0, 1); 0.2 is the usual value.")

@@ -1,0 +1,252 @@
+"""GRPO advantages and loss: pure functions, tensors in, tensors out.
+
+Nothing here knows about models, Hydra or optimizers: the options come as the loss section of
+the typed config (``grpo_cli.config.schema.LossConfig``), read by attribute. The training step
+computes per-token log-probs, calls :func:`group_advantages` once per rollout,
+:func:`loss_normalizers` once per optimizer step, and :func:`grpo_loss` once per micro-batch.
+References like ``ref 002`` point at the numbered rules of ``docs/reference.md``.
+
+Shapes: ``B`` rows (completions), ``T`` completion tokens per row (right-padded), ``G``
+completions per prompt. Rows arrive in consecutive groups of ``G``.
+
+One module per family, each of pure functions:
+
+* ``advantages.py``: per-group advantages, the zero-std groups (ref 002, ref 004), the
+  tokens that enter the loss and the step's counts (``loss_normalizers``), ``has_learning_signal``.
+* ``terms.py``: the per-token terms: importance ratio (token or sequence level, GSPO), the
+  clipped surrogate, the KL estimators and penalty, the TIS weights.
+* ``reductions.py``: the per-token loss to a scalar (per-sequence mean, token mean, constant
+  length), each with step-wide denominators (gradient accumulation invariance).
+* ``stats.py``: the detached stats of a ``grpo_loss`` call.
+* ``options.py``: the allowed values of the other string options, the compute dtype.
+
+The loss table, :data:`LOSSES`, is here: ``loss.loss_type`` names one of its rows, and
+``config/validation.py`` takes the allowed names from it. A new loss variant is its policy term
+(a pure function, in ``terms.py`` or anywhere) plus one row here plus a preset
+``conf/loss/<name>.yaml``; ``grpo_loss`` is the same for every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from grpo_cli.loss.advantages import (
+    _effective_mask,
+    group_advantages,
+    has_learning_signal,
+    loss_normalizers,
+    zero_std_groups,
+)
+from grpo_cli.loss.options import (
+    ESTIMATORS,
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    LOG_RATIO_CLAMP,
+    SAMPLER_CORRECTIONS,
+    SCALE_REWARDS,
+    STD_KINDS,
+    ZERO_STD_MODES,
+    _check_choice,
+    _compute_dtype,
+)
+from grpo_cli.loss.reductions import Counts, constant_length, per_sequence_mean, token_mean
+from grpo_cli.loss.stats import loss_stats
+from grpo_cli.loss.terms import (
+    clip_range,
+    clipped_surrogate,
+    importance_ratio,
+    kl_penalty,
+    per_token_kl,
+    truncated_importance_weights,
+)
+
+if TYPE_CHECKING:
+    from grpo_cli.config.schema import LossConfig
+
+__all__ = [
+    "group_advantages",
+    "zero_std_groups",
+    "loss_normalizers",
+    "grpo_loss",
+    "importance_ratio",
+    "per_token_kl",
+    "has_learning_signal",
+    "truncated_importance_weights",
+    "LOG_RATIO_CLAMP",
+    "LOSSES",
+    "Variant",
+    "Counts",
+    # the allowed values of the other string options (options.py), read by config validation
+    "ESTIMATORS",
+    "IS_LEVELS",
+    "KL_ESTIMATORS",
+    "SAMPLER_CORRECTIONS",
+    "SCALE_REWARDS",
+    "STD_KINDS",
+    "ZERO_STD_MODES",
+]
+
+
+class PolicyTerm(Protocol):
+    """The per-token policy loss ``[B, T]`` from the importance ratio ``[B, T]``, the
+    advantages ``[B, 1]`` and the loss section (see ``terms.py``)."""
+
+    def __call__(self, ratio: Tensor, adv: Tensor, cfg: LossConfig, /) -> Tensor: ...
+
+
+class Reduction(Protocol):
+    """The scalar loss from the per-token loss ``[B, T]`` (0 where ``valid`` is False), the
+    bool mask ``valid`` ``[B, T]`` and the step's counts (see ``reductions.py``)."""
+
+    def __call__(self, per_token_loss: Tensor, valid: Tensor, counts: Counts, /) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the loss table: the policy term per token and the reduction to a scalar."""
+
+    policy_term: PolicyTerm
+    reduce: Reduction
+
+
+# loss.loss_type -> its row; the order is the one error messages list the names in.
+LOSSES: dict[str, Variant] = {
+    "grpo": Variant(policy_term=clipped_surrogate, reduce=per_sequence_mean),
+    "bnpo": Variant(policy_term=clipped_surrogate, reduce=token_mean),
+    "dr_grpo": Variant(policy_term=clipped_surrogate, reduce=constant_length),
+    "dapo": Variant(policy_term=clipped_surrogate, reduce=token_mean),
+}
+
+
+def grpo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    ref_logps: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    cfg: LossConfig,
+    zero_std_flags: Tensor | None = None,
+    group_std: Tensor | None = None,
+    num_sequences: int | None = None,
+    num_tokens: int | None = None,
+    max_new_tokens: int | None = None,
+    num_generations: int | None = None,
+    importance_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The ``loss_type`` row's policy term plus ``beta * KL``, reduced by the row's reduction.
+
+    Args:
+        logps: ``[B, T]`` current-policy log-probs of the completion tokens
+            (with gradient). Values at masked positions may be garbage.
+        old_logps: ``[B, T]`` log-probs of the policy that sampled the batch
+            (ref 000.1); detached here.
+        ref_logps: ``[B, T]`` reference-model log-probs (for KL, not for the
+            ratio), or None when ``beta == 0``.
+        advantages: ``[B]`` from :func:`group_advantages`; detached here.
+        mask: ``[B, T]`` completion-token mask, 0/1 or bool.
+        cfg: the loss section; read: ``loss_type`` (a row of :data:`LOSSES`), ``beta`` (>= 0),
+            ``epsilon``/``epsilon_high``/``delta`` (the clipped surrogate's range, ``terms.py``),
+            ``importance_sampling_level`` (``"token"`` or ``"sequence"``, GSPO),
+            ``kl_estimator`` (``"k1"``, ``"k2"``, ``"k3"``), ``zero_std`` (``"mask"``,
+            ``"weight"``, ``"keep"``, ref 002).
+        zero_std_flags: ``[B]`` bool from :func:`group_advantages`; None means
+            no row is flagged.
+        group_std: ``[B]`` per-row group std; required by ``zero_std="weight"``.
+        num_sequences, num_tokens: step totals from :func:`loss_normalizers`;
+            default to this call's own counts.
+        max_new_tokens: ``L`` for ``"dr_grpo"``; defaults to ``T``. Pass the
+            configured completion limit when micro-batches are padded to
+            different lengths.
+        num_generations: only used for the ``num_zero_std_groups`` stat.
+        importance_weights: optional ``[B, T]`` per-token weights of the policy
+            term (not the KL term), e.g. :func:`truncated_importance_weights`
+            for a sampler/trainer mismatch; detached here.
+
+    Returns:
+        ``(loss, stats)``: a scalar loss, and detached scalar stats ``kl``,
+        ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+        ``clip_ratio/region_mean``, ``ratio_mean``, ``ratio_max``,
+        ``num_tokens``, ``num_zero_std_rows`` and, when ``num_generations``
+        is given, ``num_zero_std_groups``. Means are over the tokens that enter
+        the loss in this call (0 when there are none).
+    """
+    variant = _check_options(cfg, ref_logps, group_std)
+    tokens = dict(old_logps=old_logps, ref_logps=ref_logps, mask=mask, importance_weights=importance_weights)
+    rows = dict(advantages=advantages, zero_std_flags=zero_std_flags, group_std=group_std)
+    _check_shapes(logps, tokens, rows)
+    cdtype, device = _compute_dtype(logps.dtype), logps.device
+    valid = _effective_mask(mask, zero_std_flags, cfg.zero_std)  # [B, T] bool: tokens in the loss
+    if num_sequences is None or num_tokens is None:
+        own_seq, own_tok = loss_normalizers(mask, zero_std_flags, zero_std_mode=cfg.zero_std)
+        num_sequences = own_seq if num_sequences is None else num_sequences
+        num_tokens = own_tok if num_tokens is None else num_tokens
+    counts = Counts(num_sequences, num_tokens, logps.shape[1] if max_new_tokens is None else max_new_tokens)
+
+    adv = advantages.detach().to(device=device, dtype=cdtype).unsqueeze(1)  # [B, 1]
+    ratio = importance_ratio(logps, old_logps, valid, level=cfg.importance_sampling_level)  # [B, T]
+    per_token_loss = _policy_loss(variant, ratio, adv, cfg, importance_weights)  # [B, T]
+    kl = _kl(logps, ref_logps, valid, cfg)  # [B, T]
+    if cfg.beta > 0:
+        per_token_loss = per_token_loss + kl_penalty(kl, cfg, group_std)  # [B, T]
+    # where(), not multiply, so nothing non-finite at a masked position can leak in.
+    per_token_loss = torch.where(valid, per_token_loss, torch.zeros_like(per_token_loss))  # [B, T]
+
+    loss = variant.reduce(per_token_loss, valid, counts)  # []
+    stats = loss_stats(ratio, adv, kl, valid, zero_std_flags, clip_range(cfg), num_generations)
+    return loss, stats
+
+
+def _check_options(cfg: LossConfig, ref_logps: Tensor | None, group_std: Tensor | None) -> Variant:
+    """grpo_loss's option checks; the loss table's row of ``cfg.loss_type``."""
+    beta, zero_std = cfg.beta, cfg.zero_std
+    _check_choice("importance_sampling_level", cfg.importance_sampling_level, IS_LEVELS)
+    _check_choice("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
+    _check_choice("loss_type", cfg.loss_type, tuple(LOSSES))
+    _check_choice("zero_std", zero_std, ZERO_STD_MODES)
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logps (reference-model log-probs)")
+    if zero_std == "weight" and group_std is None:
+        raise ValueError("zero_std='weight' needs group_std (from group_advantages)")
+    return LOSSES[cfg.loss_type]
+
+
+def _check_shapes(logps: Tensor, tokens: dict[str, Tensor | None], rows: dict[str, Tensor | None]) -> None:
+    """``logps`` is ``[B, T]``; each tensor of ``tokens`` has its shape, each of ``rows`` is
+    ``[B]`` (None: absent)."""
+    if logps.dim() != 2:
+        raise ValueError(f"logps must be [B, T], got shape {tuple(logps.shape)}")
+    shape = tuple(logps.shape)
+    for name, t in tokens.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have the shape of logps {shape}, got {tuple(t.shape)}")
+    for name, t in rows.items():
+        if t is not None and tuple(t.shape) != (shape[0],):
+            raise ValueError(f"{name} must be [B]=({shape[0]},), got {tuple(t.shape)}")
+
+
+def _policy_loss(
+    variant: Variant, ratio: Tensor, adv: Tensor, cfg: LossConfig, importance_weights: Tensor | None
+) -> Tensor:
+    """The row's policy term ``[B, T]``, times the TIS weights when given."""
+    per_token_loss = variant.policy_term(ratio, adv, cfg)  # [B, T]
+    if importance_weights is not None:
+        # Off-policy correction of the samples (TIS), on the policy term only, as TRL does.
+        per_token_loss = per_token_loss * importance_weights.detach().to(
+            device=ratio.device, dtype=ratio.dtype
+        )  # [B, T]
+    return per_token_loss
+
+
+def _kl(logps: Tensor, ref_logps: Tensor | None, valid: Tensor, cfg: LossConfig) -> Tensor:
+    """The per-token KL ``[B, T]``, computed whenever ``ref_logps`` is given (for the stat, even
+    when ``beta == 0``); zeros without a reference."""
+    if ref_logps is not None:
+        return per_token_kl(logps, ref_logps, valid, estimator=cfg.kl_estimator)  # [B, T]
+    return torch.zeros(tuple(logps.shape), dtype=_compute_dtype(logps.dtype), device=logps.device)  # [B, T]

@@ -1,0 +1,32 @@
+"""The allowed values of the loss section's string options, the check that names them, and the
+compute dtype every function of the package works in.
+
+``loss_type`` is not here: its values are the rows of the loss table, ``grpo_cli.loss.LOSSES``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Log-ratios and KL log-differences are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]
+# before exp(). exp(20) ~ 4.9e8 is finite in float16/bfloat16/float32. The clamp is
+# flat outside the range, so tokens beyond it get zero gradient through that term.
+LOG_RATIO_CLAMP = 20.0
+
+SCALE_REWARDS = ("group", "batch", "none")
+STD_KINDS = ("population", "sample")
+ESTIMATORS = ("grpo", "rloo")
+IS_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ZERO_STD_MODES = ("mask", "weight", "keep")
+SAMPLER_CORRECTIONS = ("auto", "none", "tis")  # tis: truncated_importance_weights; auto: config.schema
+
+
+def _check_choice(name: str, value: object, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {name}={value!r}; valid values: {', '.join(repr(v) for v in valid)}")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 or higher: bf16/fp16 (and integer rewards) are upcast, float64 is kept.
+    return torch.promote_types(dtype, torch.float32)

@@ -1,0 +1,167 @@
+"""The per-token terms of the loss: the importance ratio, the policy terms a loss variant picks
+(the table in ``grpo_cli/loss/__init__.py``), the KL penalty and the TIS weights.
+
+Policy term
+-----------
+Per token ``t`` of row ``i`` with ratio ``r = exp(logp - old_logp)``::
+
+    surrogate = -min(r * A_i, clip(r, 1 - epsilon, 1 + epsilon_high) * A_i)
+    loss_tok  = surrogate + beta * KL(policy || ref)
+
+``importance_sampling_level="sequence"`` (GSPO) replaces ``r`` by one ratio per
+row, ``exp(mean over the row's valid tokens of (logp - old_logp))``. ``delta``
+caps the unclipped ratio (two-sided clipping as in TRL). KL estimators, with
+``x = ref_logp - logp``: ``k1 = -x``, ``k2 = x**2 / 2``, ``k3 = exp(x) - x - 1``
+(default, never negative).
+
+A policy term is a pure function ``(ratio [B, T], adv [B, 1], cfg) -> [B, T]`` (the loss, not
+the objective: lower is better); :func:`clipped_surrogate` is the one every shipped variant uses.
+
+Zero-std groups (ref 002), ``zero_std=``:
+
+* ``"mask"`` (default): flagged rows leave the loss entirely, KL included, and
+  are not counted by the normalisers: exactly zero gradient.
+* ``"weight"``: each row's KL is scaled by
+  ``sigmoid((group_std - zero_std_floor) / zero_std_width)`` (:func:`kl_penalty`).
+* ``"keep"``: TRL behaviour; the KL still pulls signal-free groups toward the
+  reference (the bug of ref 002, kept for comparison).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from grpo_cli.loss.options import IS_LEVELS, KL_ESTIMATORS, LOG_RATIO_CLAMP, _check_choice, _compute_dtype
+
+if TYPE_CHECKING:
+    from grpo_cli.config.schema import LossConfig
+
+# zero_std="weight" (ref 002 option 2): the KL term of a row is weighted by
+# sigmoid((group std - floor) / width): ~0 without reward spread, ~1 above the floor.
+ZERO_STD_FLOOR = 0.05
+ZERO_STD_WIDTH = 0.01
+
+
+def importance_ratio(
+    logps: Tensor,
+    old_logps: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+) -> Tensor:
+    """Importance ratio ``pi / pi_old`` per token, ``[B, T]``.
+
+    ``old_logps`` must come from the policy that sampled the batch (ref 000.1);
+    they are detached here, so passing the current forward pass by mistake
+    still yields the on-policy gradient instead of a silent zero.
+
+    ``level="token"``: ``exp(logp - old_logp)``. ``level="sequence"`` (GSPO):
+    ``exp(mean over the row's valid tokens of (logp - old_logp))``, constant
+    along the row. Masked positions are zeroed *before* any arithmetic (they
+    may hold -inf/NaN garbage) and give ratio 1. Log-ratios are clamped to
+    ``+-LOG_RATIO_CLAMP`` so exp stays finite; beyond the clamp the gradient
+    is zero.
+    """
+    _check_choice("importance_sampling_level", level, IS_LEVELS)
+    valid = mask != 0  # [B, T] bool
+    cdtype = _compute_dtype(logps.dtype)
+    diff = logps.to(cdtype) - old_logps.detach().to(cdtype)  # [B, T]
+    # where(), not multiply: 0 * inf = NaN, and where() also sends zero gradient to
+    # the garbage positions.
+    log_ratio = torch.where(valid, diff, torch.zeros_like(diff))  # [B, T]
+    if level == "sequence":
+        n_tok = valid.sum(dim=1, keepdim=True).clamp(min=1).to(cdtype)  # [B, 1]
+        seq = log_ratio.sum(dim=1, keepdim=True) / n_tok  # [B, 1]
+        log_ratio = seq.expand_as(log_ratio)  # [B, T], constant along each row
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    return torch.exp(log_ratio)  # [B, T]
+
+
+def clip_range(cfg: LossConfig) -> tuple[float, float]:
+    """``(eps_low, eps_high)``: the ratio's trust region is ``[1 - eps_low, 1 + eps_high]``;
+    ``epsilon_high`` defaults to ``epsilon`` (DAPO clip-higher when larger)."""
+    eps_low = float(cfg.epsilon)
+    eps_high = eps_low if cfg.epsilon_high is None else float(cfg.epsilon_high)
+    return eps_low, eps_high
+
+
+def clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """The clipped GRPO/PPO surrogate per token, ``[B, T]``: ``-min(r A, clip(r) A)`` with the
+    ratio ``r`` ``[B, T]`` and the advantages ``A`` ``[B, 1]``; reads ``epsilon``,
+    ``epsilon_high`` and ``delta`` (an optional cap on the unclipped ratio, TRL two-sided
+    clipping)."""
+    eps_low, eps_high = clip_range(cfg)
+    delta = cfg.delta
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)  # [B, T]
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # [B, T]
+    # Pessimistic bound: on the side where the ratio left the trust region in the
+    # advantage's direction, min() picks the constant clipped branch -> zero gradient.
+    return -torch.minimum(unclipped * adv, clipped * adv)  # [B, T]
+
+
+def per_token_kl(
+    logps: Tensor,
+    ref_logps: Tensor,
+    mask: Tensor | None = None,
+    *,
+    estimator: str = "k3",
+) -> Tensor:
+    """Per-token estimate of ``KL(policy || ref)``, ``[B, T]`` (ref 004).
+
+    With ``x = ref_logp - logp``: ``k1 = -x`` (unbiased, can be negative),
+    ``k2 = x**2 / 2``, ``k3 = exp(x) - x - 1`` (unbiased, never negative).
+    Masked positions (if ``mask`` is given) are 0 and carry no gradient.
+    """
+    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    cdtype = _compute_dtype(logps.dtype)
+    x = ref_logps.detach().to(cdtype) - logps.to(cdtype)  # [B, T]
+    if mask is not None:
+        x = torch.where(mask != 0, x, torch.zeros_like(x))  # [B, T]
+    if estimator == "k1":
+        return -x  # [B, T]
+    if estimator == "k2":
+        return 0.5 * x.pow(2)  # [B, T]
+    # k3: clamp so exp() stays finite (zero gradient beyond the clamp). expm1(x) - x is
+    # the same value as exp(x) - x - 1 with less cancellation near x = 0; clamp(min=0)
+    # removes any last-ulp negative so k3 >= 0 holds exactly (ref 004).
+    x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    return (torch.expm1(x) - x).clamp(min=0.0)  # [B, T]
+
+
+def kl_penalty(kl: Tensor, cfg: LossConfig, group_std: Tensor | None) -> Tensor:
+    """``beta * KL`` per token, ``[B, T]``, from :func:`per_token_kl`'s ``kl`` ``[B, T]``; under
+    ``zero_std="weight"`` each row's KL is weighted by its group's ``group_std`` ``[B]``."""
+    kl_term = kl  # [B, T]
+    if cfg.zero_std == "weight":
+        # ref 002 option 2: ~0 for groups without reward spread, ~1 above the floor.
+        w = torch.sigmoid(
+            (group_std.detach().to(device=kl.device, dtype=kl.dtype) - ZERO_STD_FLOOR) / ZERO_STD_WIDTH
+        )  # [B]
+        kl_term = kl_term * w.unsqueeze(1)  # [B, T]
+    return cfg.beta * kl_term  # [B, T]
+
+
+def truncated_importance_weights(
+    trainer_logps: Tensor,
+    sampler_logps: Tensor,
+    mask: Tensor,
+    *,
+    cap: float = 2.0,
+) -> Tensor:
+    """Truncated importance sampling (TIS) weights ``min(exp(trainer - sampler), cap)``, ``[B, T]``.
+
+    The ratio's old log-probs are the trainer's own (so the first ratio is exactly 1);
+    when the sampler computes the distribution with other numerics (bf16 decode, a
+    faster engine), the samples came from a slightly different policy. These weights
+    correct the policy term for that mismatch, truncated at ``cap`` to bound the
+    variance. Detached; 1 at masked positions.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    cdtype = _compute_dtype(trainer_logps.dtype)
+    diff = trainer_logps.detach().to(cdtype) - sampler_logps.detach().to(cdtype)  # [B, T]
+    diff = torch.where(mask != 0, diff, torch.zeros_like(diff)).clamp(max=LOG_RATIO_CLAMP)  # [B, T]
+    return torch.exp(diff).clamp(max=cap)  # [B, T]
