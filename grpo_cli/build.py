@@ -43,7 +43,7 @@ from grpo_cli.precision import (
     resolve_precision,
     to_weights_dtype,
 )
-from grpo_cli.rewards import Rewards, RewardSpec, build_rewards
+from grpo_cli.rewards import Rewards, build_rewards, check_reward_columns
 from grpo_cli.roles import Learner, Rollouts
 from grpo_cli.samplers import build_sampler
 
@@ -149,42 +149,6 @@ def seed_everything(seed: int) -> None:
     except ImportError:  # pragma: no cover
         return
     np.random.seed(seed)
-
-
-def check_reward_columns(rewards: list[RewardSpec], rows: list[dict], data_cfg: DataConfig) -> None:
-    """The correctness reward (accuracy's, or one of yours with that role) needs a gold answer per
-    prompt, and a reward that declares the columns it reads (Reward.columns) needs them: check
-    before any model loads."""
-    for spec in rewards:
-        if spec.role != "correctness":
-            continue
-        column = spec.answer_column
-        where = f"data.path={data_cfg.path!r}" if data_cfg.source != "arithmetic" else "the arithmetic data"
-        if rows and not any(column in row for row in rows):
-            raise UserError(
-                f"reward.{spec.name} needs the gold answer of each prompt, but {where} has no column "
-                f"{column!r} (columns: {', '.join(map(str, rows[0]))}). Set reward.{spec.name}.answer_column "
-                f"to the column that holds the answers, or drop the {spec.name} reward."
-            )
-        for row in rows:
-            if row.get(column) is None:
-                prompt = str(row.get(data_cfg.prompt_column))[:60]
-                raise UserError(
-                    f"reward.{spec.name} needs the gold answer of each prompt, but a record of {where} has no "
-                    f"{column!r} (prompt {prompt!r}); add its answer or remove that record."
-                )
-    for spec in rewards:  # the columns a reward reads (a judge's template: Reward.columns)
-        if spec.reward.columns is None or not rows:
-            continue
-        where = f"data.path={data_cfg.path!r}" if data_cfg.source != "arithmetic" else "the arithmetic data"
-        missing = [c for c in spec.reward.columns(spec.options) if not any(c in row for row in rows)]
-        if missing:
-            raise UserError(
-                f"reward.{spec.name} reads the column{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(map(repr, missing))}, which {where} does not have (columns: "
-                f"{', '.join(map(str, rows[0]))}). Name a column the data has (a judge's template: "
-                f"{{answer}} reads the column answer), or add the column to the data."
-            )
 
 
 def _model_kw(cfg: Config) -> dict[str, Any]:

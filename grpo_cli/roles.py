@@ -36,18 +36,7 @@ class Rollouts:
 
     def draw(self, step: int) -> phases.Sampled:
         """The step's groups, sampled and scored (step.sample_and_score)."""
-        return phases.sample_and_score(
-            step,
-            stream=self.stream,
-            sampler=self.sampler,
-            rewards=self.rewards,
-            tokenizer=self.tokenizer,
-            dist=self.dist,
-            device=self.device,
-            trainer=self.cfg.trainer,
-            sampling=self.cfg.sampler,
-            loss=self.cfg.loss,
-        )
+        return phases.sample_and_score(step, self)
 
     def grade(self, examples: list, num_generations: int = 1, greedy: bool = True) -> Scored | None:
         """Held-out prompts, G completions each, scored (evaluate.grade; 64 completions a call)."""

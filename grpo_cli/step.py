@@ -20,7 +20,7 @@ import torch
 
 from grpo_cli import selfcheck
 from grpo_cli.adapters import disabled_adapters
-from grpo_cli.config import LossConfig, SamplerConfig, TrainerConfig
+from grpo_cli.config import LossConfig, SamplerConfig
 from grpo_cli.distributed import Dist, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
@@ -75,19 +75,7 @@ class _Groups:
     rescued: int = 0
 
 
-def sample_and_score(
-    step: int,
-    *,
-    stream,
-    sampler: Sampler,
-    rewards: Rewards,
-    tokenizer,
-    dist: Dist,
-    device,
-    trainer: TrainerConfig,
-    sampling: SamplerConfig,
-    loss: LossConfig,
-) -> Sampled:
+def sample_and_score(step: int, rollouts) -> Sampled:
     """trainer.prompts_per_step prompts from `stream` (data.PromptStream), a group of
     sampling.num_generations completions each (adaptive group sizes: _sample_groups), scored. With
     trainer.dynamic_sampling (DAPO), zero-std groups (loss.std, loss.zero_std_threshold) are
@@ -96,8 +84,11 @@ def sample_and_score(
 
     Prompt i of the step's draw is sampled from its own seed (seed, step, i, round). With several
     processes each rank samples and scores its shard of the prompts, and the scored rollouts are
-    gathered: every rank then holds the whole step, in the order one process would have it."""
-    t, G, pad_id = trainer, sampling.num_generations, tokenizer.pad_token_id
+    gathered: every rank then holds the whole step, in the order one process would have it.
+    `rollouts` (roles.Rollouts) holds what it draws with: the stream, sampler, rewards, tokenizer,
+    the rank (dist), the device and the config."""
+    cfg, dist, device = rollouts.cfg, rollouts.dist, rollouts.device
+    t, loss, G, pad_id = cfg.trainer, cfg.loss, cfg.sampler.num_generations, rollouts.tokenizer.pad_token_id
     progress = TrainerProgress(global_step=step - 1, max_steps=t.max_steps)  # (steps done, as TRL)
     seconds = {"rollout": 0.0, "reward": 0.0}
     kept: list[Scored] = []  # each group kept, G rows
@@ -105,13 +96,15 @@ def sample_and_score(
     examples: list = []
     zero_groups = resampled = rescued = 0
     for _ in range(t.max_sampling_tries if t.dynamic_sampling else 1):
-        batch = stream.take(t.prompts_per_step - len(kept))  # the same on every rank
+        batch = rollouts.stream.take(t.prompts_per_step - len(kept))  # the same on every rank
         mine = list(shard(len(batch), dist.rank, dist.world_size))
         groups = _sample_groups(
             step,
             [batch[i] for i in mine],
             [len(examples) + i for i in mine],
-            context=_Context(sampler, rewards, tokenizer, dist, sampling, t.seed, progress),
+            context=_Context(
+                rollouts.sampler, rollouts.rewards, rollouts.tokenizer, dist, cfg.sampler, t.seed, progress
+            ),
             seconds=seconds,
         )
         groups = _gather(dist, groups, device, pad_id)

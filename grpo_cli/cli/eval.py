@@ -35,7 +35,6 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
         build_rollouts,
         build_tokenizer,
         build_wide_eval,
-        check_reward_columns,
         load_policy,
         read_data,
         read_wide_eval,
@@ -45,7 +44,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     from grpo_cli.loss import zero_std_groups
     from grpo_cli.metrics import pass_rate_histogram
     from grpo_cli.precision import resolve_device, resolve_precision
-    from grpo_cli.rewards import build_rewards, correctness
+    from grpo_cli.rewards import build_rewards, check_reward_columns, correctness
 
     t, s = cfg.trainer, cfg.sampler
     rewards = build_rewards(cfg.reward)

@@ -29,7 +29,7 @@ The loss table, :data:`LOSSES`, is here: ``loss.loss_type`` names one of its row
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ from grpo_cli.loss.options import (
     SCALE_REWARDS,
     STD_KINDS,
     ZERO_STD_MODES,
+    LossConfig,
     _check_choice,
     _compute_dtype,
 )
@@ -63,9 +64,6 @@ from grpo_cli.loss.terms import (
     per_token_kl,
     truncated_importance_weights,
 )
-
-if TYPE_CHECKING:
-    from grpo_cli.config.schema import LossConfig
 
 __all__ = [
     "group_advantages",

@@ -30,8 +30,6 @@ enter the loss (under ``zero_std="mask"`` flagged rows leave it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -40,12 +38,10 @@ from grpo_cli.loss.options import (
     SCALE_REWARDS,
     STD_KINDS,
     ZERO_STD_MODES,
+    LossConfig,
     _check_choice,
     _compute_dtype,
 )
-
-if TYPE_CHECKING:
-    from grpo_cli.config.schema import LossConfig
 
 
 def _std(x: Tensor, dim: int | None, kind: str) -> Tensor:

@@ -6,6 +6,8 @@ compute dtype every function of the package works in.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Log-ratios and KL log-differences are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]
@@ -30,3 +32,9 @@ def _check_choice(name: str, value: object, valid: tuple[str, ...]) -> None:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # float32 or higher: bf16/fp16 (and integer rewards) are upcast, float64 is kept.
     return torch.promote_types(dtype, torch.float32)
+
+
+#: The loss section a loss function reads by attribute: config.schema.LossConfig. Named, not
+#: imported: config's validation reads this package's table (the loss_type names), so the math
+#: stays below config and imports none of it.
+LossConfig = Any

@@ -29,15 +29,17 @@ Zero-std groups (ref 002), ``zero_std=``:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from grpo_cli.loss.options import IS_LEVELS, KL_ESTIMATORS, LOG_RATIO_CLAMP, _check_choice, _compute_dtype
-
-if TYPE_CHECKING:
-    from grpo_cli.config.schema import LossConfig
+from grpo_cli.loss.options import (
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    LOG_RATIO_CLAMP,
+    LossConfig,
+    _check_choice,
+    _compute_dtype,
+)
 
 # zero_std="weight" (ref 002 option 2): the KL term of a row is weighted by
 # sigmoid((group std - floor) / width): ~0 without reward spread, ~1 above the floor.
