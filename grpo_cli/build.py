@@ -352,6 +352,31 @@ def _data_summary(cfg: Config, data, wide_eval) -> str:
     )
 
 
+def _reference(cfg: Config, policy, source, device, precision: Precision, fsdp: bool):
+    """The reference model, which exists only when the KL term does (beta > 0): frozen, eval, no
+    grad. With adapters it is the policy itself, run with its adapters disabled (engine:
+    disabled_adapters); otherwise a second copy of the base model, in the policy's dtype."""
+    if cfg.loss.beta <= 0:
+        return None
+    if is_adapted(policy):
+        return policy
+    ref = load_model(source, device=device, trainable=False, **_model_kw(cfg))
+    if precision.weights_dtype is not None:
+        to_weights_dtype(ref, precision.weights_dtype)  # as the policy's (not from_pretrained's)
+    if fsdp:
+        shard_model(ref)
+    return ref
+
+
+def _untested_note(policy) -> str:
+    return (
+        f"note: model type {getattr(policy.config, 'model_type', None)!r} is not among the architectures "
+        f"grpo-cli is tested on ({', '.join(TESTED_MODEL_TYPES)}); it trains through the plain paths "
+        "(no shared-prompt KV cache, no decode-time W @ x^T layers), and the step-0 self-check checks its "
+        "log-probs."
+    )
+
+
 def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
     """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
     to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
@@ -420,19 +445,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             f"adapter: LoRA r={cfg.adapter.r} alpha={cfg.adapter.alpha:g} on "
             f"{', '.join(cfg.adapter.target_modules)}; {trainable_summary(policy)}"
         )
-    # The reference model exists only when the KL term does (beta > 0): frozen, eval, no grad. With
-    # adapters it is the policy itself, run with its adapters disabled (engine: disabled_adapters).
-    ref = None
-    if cfg.loss.beta > 0:
-        ref = (
-            policy
-            if is_adapted(policy)
-            else load_model(source, device=device, trainable=False, **_model_kw(cfg))
-        )
-        if ref is not policy and precision.weights_dtype is not None:
-            to_weights_dtype(ref, precision.weights_dtype)  # as the policy's (not from_pretrained's)
-        if fsdp and ref is not policy:
-            shard_model(ref)
+    ref = _reference(cfg, policy, source, device, precision, fsdp)
 
     opt_step = _optimizer_step(cfg, policy, masters, device, precision, state, total_steps, d)
     stream = PromptStream(data.train, seed=t.seed)
@@ -440,12 +453,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         _restore(resume_from, loaded, changed, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
     fast_paths = tested_architecture(policy)
     if not fast_paths:
-        console.print(
-            f"note: model type {getattr(policy.config, 'model_type', None)!r} is not among the architectures "
-            f"grpo-cli is tested on ({', '.join(TESTED_MODEL_TYPES)}); it trains through the plain paths "
-            "(no shared-prompt KV cache, no decode-time W @ x^T layers), and the step-0 self-check checks its "
-            "log-probs."
-        )
+        console.print(_untested_note(policy))
     scorer = TokenLogprobs(
         policy,
         temperature=s.temperature,

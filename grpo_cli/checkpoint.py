@@ -34,6 +34,7 @@ import torch
 
 from grpo_cli.adapters import ADAPTER_FILES, is_adapted
 from grpo_cli.errors import UserError, first_line
+from grpo_cli.files import fsync_dir, fsync_tree
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-step-"
@@ -231,16 +232,16 @@ def save_checkpoint(
                 "world_size": len(rng_ranks),
             }
             torch.save(record, tmp / "trainer_state.pt")
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             if final.exists():  # re-saving a step: move the old one aside, never delete in place
                 trash = root / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"
                 os.replace(final, trash)
                 os.replace(tmp, final)
-                _fsync_dir(root)
+                fsync_dir(root)
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-                _fsync_dir(root)
+                fsync_dir(root)
     except Exception as exc:  # I/O errors surface as OSError, SafetensorError, RuntimeError...
         if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -289,28 +290,6 @@ def _disk_hint(root: Path) -> str:
                 return ""
             return f"{free / 2**30:.2f} GiB free on that disk. "
     return ""
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.iterdir():
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make renames inside `folder` durable (power loss); a no-op where unsupported."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _rotate(root: Path, keep_last: int) -> None:

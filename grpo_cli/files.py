@@ -1,4 +1,4 @@
-"""Writing files whole: a reader (or a crash) never sees half of one."""
+"""Writing files whole: a reader (or a crash) never sees half of one; and durably (fsync)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,26 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file of `folder` and its entries to the disk (a checkpoint, before its rename)."""
+    for path in folder.iterdir():
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(folder)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make renames inside `folder` durable (power loss); a no-op where unsupported."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -24,7 +24,7 @@ from grpo_cli.errors import UserError
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
 from grpo_cli.precision import resolve_precision
-from grpo_cli.rewards.scoring import conversation
+from grpo_cli.rewards import conversation
 from grpo_cli.rollout import ROLE_CODES, Rollout
 from grpo_cli.samplers.builtin import BuiltinSampler, left_pad
 

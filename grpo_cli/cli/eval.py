@@ -42,7 +42,6 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     from grpo_cli.config.schema import DataConfig
     from grpo_cli.evaluate import check_group_by, group_values
     from grpo_cli.loss import zero_std_groups
-    from grpo_cli.metrics import pass_rate_histogram
     from grpo_cli.precision import resolve_device, resolve_precision
     from grpo_cli.rewards import build_rewards, check_reward_columns, correctness
 
@@ -112,19 +111,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
             same = zero_std_groups(
                 sampled.totals, G, std=cfg.loss.std, zero_std_threshold=cfg.loss.zero_std_threshold
             )
-            passed = sampled.passed.view(-1, G)  # [prompts, G]
-            result.update(
-                {
-                    "samples_per_prompt": G,
-                    "temperature": s.temperature,
-                    "pass@1": accuracy(sampled),
-                    f"pass@{G}": passed.any(-1).double().mean().item(),
-                    "pass_rate_histogram": pass_rate_histogram(sampled.passed.tolist(), G),
-                    "frac_all_same_groups": same.double().mean().item(),
-                    "sampled_mean_length": sampled.rollout.lengths.double().mean().item(),
-                    "sampled_reward": sampled.totals.mean().item(),
-                }
-            )
+            result.update(_sampled_metrics(sampled, same, s.temperature))
             result.update(_env_means("sampled", sampled))
             per_group("pass@1", sampled, examples, G)  # per kind: how often it samples a right answer
             result["advice"] = _advice(result["pass@1"])
@@ -132,6 +119,25 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     finally:
         rollouts.close()
     return result
+
+
+def _sampled_metrics(sampled, same, temperature: float) -> dict:
+    """pass@1 (the accuracy rule over sampled completions), pass@G, the pass-rate histogram, the
+    share of signal-free groups (`same`: [prompts] bool), mean length and reward."""
+    from grpo_cli.metrics import pass_rate_histogram
+
+    G = sampled.num_generations
+    right, counted = sampled.accuracy()
+    return {
+        "samples_per_prompt": G,
+        "temperature": temperature,
+        "pass@1": right / counted if counted else 0.0,
+        f"pass@{G}": sampled.passed.view(-1, G).any(-1).double().mean().item(),  # ([prompts, G])
+        "pass_rate_histogram": pass_rate_histogram(sampled.passed.tolist(), G),
+        "frac_all_same_groups": same.double().mean().item(),
+        "sampled_mean_length": sampled.rollout.lengths.double().mean().item(),
+        "sampled_reward": sampled.totals.mean().item(),
+    }
 
 
 def _env_means(name: str, graded) -> dict[str, float]:

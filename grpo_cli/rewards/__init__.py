@@ -48,13 +48,11 @@ from grpo_cli.errors import UserError
 
 from ._calling import names_parameter, requires_parameter
 from ._common import RewardError, completion_text, preview
+from ._text import clean_up_spaces, conversation, decode_completions
 from .base import ROLES, Reward, Rewards, RewardSpec
 from .scoring import (
     RESERVED_KWARGS,
     as_reward_input,
-    clean_up_spaces,
-    conversation,
-    decode_completions,
     passes,
     reward_metrics,
     score,

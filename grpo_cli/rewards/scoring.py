@@ -22,11 +22,10 @@ from grpo_cli.calls import call_with_timeout
 
 from ._calling import by_keyword, invoke
 from ._common import RewardError, preview
+from ._text import conversation, decode_completions
 from .base import RewardSpec
 
 if TYPE_CHECKING:
-    import torch
-
     from grpo_cli.data import Example
 
 #: What TRL passes every reward beyond grpo-cli's own keywords: a reward called by keyword gets
@@ -144,6 +143,36 @@ def _add(stats: dict | None, key: str, value: float) -> None:
         stats[key] = stats.get(key, 0.0) + value
 
 
+def _chat_hint(exc: Exception, completions: list) -> str:
+    """The hint for a reward written for chat messages that was given plain strings."""
+    if isinstance(exc, TypeError) and "string indices" in str(exc) and isinstance(completions[0], str):
+        return (
+            " The completions are plain strings because the prompts are plain text; a reward that "
+            'reads completion[0]["content"] is written for chat messages (TRL\'s conversational '
+            "format), which grpo-cli passes when the dataset's prompts are chat messages. Read "
+            "the string, or give chat prompts."
+        )
+    return ""
+
+
+def _await(waiting: list[RewardSpec], results: dict[str, Any], stats: dict | None) -> None:
+    """The async rewards' calls (results[name]: awaitables) awaited together on the reward loop
+    (rewards/aio.py); results[name] becomes each one's values, its seconds added to stats."""
+    from . import aio
+
+    for spec, outcome in zip(waiting, aio.gather([results[spec.name] for spec in waiting])):
+        if isinstance(outcome, TimeoutError):
+            raise _hung(spec, outcome) from None
+        if isinstance(outcome, RewardError):
+            raise outcome
+        if isinstance(outcome, BaseException):
+            raise RewardError(
+                f"reward {spec.name!r} (async) raised {type(outcome).__name__}: {outcome}"
+            ) from outcome
+        results[spec.name], seconds = outcome
+        _add(stats, f"time/rewards/{spec.name}", seconds)
+
+
 def score_rewards(
     specs: Sequence[RewardSpec],
     completions: list,
@@ -206,18 +235,9 @@ def score_rewards(
             where = (
                 _locate_failure(spec, completions, kwargs, data_keys, columns) if spec.pool is None else ""
             )
-            if (
-                isinstance(exc, TypeError)
-                and "string indices" in str(exc)
-                and isinstance(completions[0], str)
-            ):
-                where += (
-                    " The completions are plain strings because the prompts are plain text; a reward that "
-                    'reads completion[0]["content"] is written for chat messages (TRL\'s conversational '
-                    "format), which grpo-cli passes when the dataset's prompts are chat messages. Read "
-                    "the string, or give chat prompts."
-                )
-            raise RewardError(f"reward {spec.name!r} raised {type(exc).__name__}: {exc}.{where}") from exc
+            raise RewardError(
+                f"reward {spec.name!r} raised {type(exc).__name__}: {exc}.{where}{_chat_hint(exc, completions)}"
+            ) from exc
         if inspect.isawaitable(result):
             waiting.append(spec)
             results[spec.name] = _timed(result, spec.call_timeout_s)
@@ -225,58 +245,66 @@ def score_rewards(
             _add(stats, f"time/rewards/{spec.name}", time.perf_counter() - tick)
             results[spec.name] = result
     if waiting:
-        from . import aio
-
-        for spec, outcome in zip(waiting, aio.gather([results[spec.name] for spec in waiting])):
-            if isinstance(outcome, TimeoutError):
-                raise _hung(spec, outcome) from None
-            if isinstance(outcome, RewardError):
-                raise outcome
-            if isinstance(outcome, BaseException):
-                raise RewardError(
-                    f"reward {spec.name!r} (async) raised {type(outcome).__name__}: {outcome}"
-                ) from outcome
-            results[spec.name], seconds = outcome
-            _add(stats, f"time/rewards/{spec.name}", seconds)
+        _await(waiting, results, stats)
     per_reward: dict[str, list[float | None]] = {}
     for spec in specs:
-        result = results[spec.name]
-        is_list_like = hasattr(result, "__len__") and hasattr(result, "__iter__")
-        if isinstance(result, (str, bytes, Mapping)) or not is_list_like:
-            raise RewardError(
-                f"reward {spec.name!r} returned {type(result).__name__} {result!r:.80}; it must return a list "
-                f"with one float (or None) per completion ({n} completions)"
-            )
-        values = list(result)
-        if len(values) != n:
-            raise RewardError(
-                f"reward {spec.name!r} returned {len(values)} values for {n} completions; it must return "
-                f"exactly one float (or None) per completion, in order (returned: {values!r:.120})"
-            )
-        column: list[float | None] = []
-        for i, value in enumerate(values):
-            try:
-                number = _as_float(value)
-            except (TypeError, ValueError):
-                raise RewardError(
-                    f"reward {spec.name!r} returned a non-numeric value {value!r:.80} "
-                    f"(type {type(value).__name__}) for completion index {i}: {preview(completions[i])}"
-                    f"{_row_columns(columns, i)}"
-                ) from None
-            failed = number is not None and math.isnan(number) and spec.reward.nan_ok
-            if number is not None and not math.isfinite(number) and not failed:
-                raise RewardError(
-                    f"reward {spec.name!r} returned {number!r} (not finite) for completion index {i}: "
-                    f"{preview(completions[i])}{_row_columns(columns, i)}"
-                )
-            column.append(number)
-        per_reward[spec.name] = column
-        _add(stats, f"rewards/{spec.name}/failures", sum(v is not None and math.isnan(v) for v in column))
+        per_reward[spec.name] = _column(spec, results[spec.name], completions, columns)
+        _add(
+            stats,
+            f"rewards/{spec.name}/failures",
+            sum(v is not None and math.isnan(v) for v in per_reward[spec.name]),
+        )
         pop = getattr(spec.fn, "pop_metrics", None)
         for key, value in (pop() if callable(pop) else {}).items():
             if key != "failures":  # (counted above, as its NaNs)
                 _add(stats, f"rewards/{spec.name}/{key}", float(value))
+    return _totals(specs, per_reward, completions, columns), per_reward
 
+
+def _column(spec: RewardSpec, result, completions: list, columns: Mapping[str, list]) -> list[float | None]:
+    """One reward's returned values checked (a list, one number or None per completion, finite
+    unless it may fail: Reward.nan_ok) and made floats."""
+    n = len(completions)
+    is_list_like = hasattr(result, "__len__") and hasattr(result, "__iter__")
+    if isinstance(result, (str, bytes, Mapping)) or not is_list_like:
+        raise RewardError(
+            f"reward {spec.name!r} returned {type(result).__name__} {result!r:.80}; it must return a list "
+            f"with one float (or None) per completion ({n} completions)"
+        )
+    values = list(result)
+    if len(values) != n:
+        raise RewardError(
+            f"reward {spec.name!r} returned {len(values)} values for {n} completions; it must return "
+            f"exactly one float (or None) per completion, in order (returned: {values!r:.120})"
+        )
+    column: list[float | None] = []
+    for i, value in enumerate(values):
+        try:
+            number = _as_float(value)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"reward {spec.name!r} returned a non-numeric value {value!r:.80} "
+                f"(type {type(value).__name__}) for completion index {i}: {preview(completions[i])}"
+                f"{_row_columns(columns, i)}"
+            ) from None
+        failed = number is not None and math.isnan(number) and spec.reward.nan_ok
+        if number is not None and not math.isfinite(number) and not failed:
+            raise RewardError(
+                f"reward {spec.name!r} returned {number!r} (not finite) for completion index {i}: "
+                f"{preview(completions[i])}{_row_columns(columns, i)}"
+            )
+        column.append(number)
+    return column
+
+
+def _totals(
+    specs: Sequence[RewardSpec],
+    per_reward: Mapping[str, list],
+    completions: list,
+    columns: Mapping[str, list],
+) -> list[float]:
+    """Each completion's weighted total over the rewards that apply to it (not None)."""
+    n = len(completions)
     totals: list[float] = []
     for i in range(n):
         applicable = [
@@ -289,7 +317,7 @@ def score_rewards(
                 "is a configuration bug (add a reward that covers it or fix the data)"
             )
         totals.append(float(sum(w * v for w, v in applicable)))
-    return totals, per_reward
+    return totals
 
 
 def as_reward_input(prompt, text: str):
@@ -329,70 +357,6 @@ def passes(
     if judge is not None and judge in per_reward:
         return [v is not None and v >= 1.0 for v in per_reward[judge]]
     return [t > 0 for t in totals]
-
-
-# transformers 4.x's clean-up of tokenization spaces (PreTrainedTokenizerBase.clean_up_tokenization).
-_SPACE_CLEANUP = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
-
-
-def clean_up_spaces(text: str) -> str:
-    for before, after in _SPACE_CLEANUP:
-        text = text.replace(before, after)
-    return text
-
-
-def decode_completions(tokenizer, completion_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]:
-    """The completions' text, as the rewards see it (the reward span: every attended completion
-    token, rollout.Rollout.attention_mask). Decoding is explicit so that the text (and so
-    the rewards) does not depend on the transformers version: 4.x applies the tokenizer's
-    `clean_up_tokenization_spaces` setting, 5.x ignores it for BPE tokenizers (SmolLM2's "15 ."
-    instead of "15."). So: decode without the clean-up, then apply 4.x's when the tokenizer asks."""
-    texts = tokenizer.batch_decode(
-        [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, attention_mask)],
-        skip_special_tokens=True,
-        clean_up_tokenization_spaces=False,
-    )
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        texts = [clean_up_spaces(t) for t in texts]
-    return texts
-
-
-def conversation(tokenizer, ids, roles) -> list[dict]:
-    """An episode's completion side as chat messages: each run of tokens one writer wrote
-    (rollout.ROLE_CODES), decoded; an environment's message without the chat template's text
-    around it (its role header, the next assistant turn's)."""
-    from grpo_cli.rollout import ROLE_NAMES
-
-    messages, start = [], 0
-    codes = roles.tolist()
-    for end in range(1, len(codes) + 1):
-        if end < len(codes) and codes[end] == codes[start]:
-            continue
-        role = ROLE_NAMES[codes[start]]
-        if role != "padding":
-            text = tokenizer.decode(
-                ids[start:end].tolist(), skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
-            if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-                text = clean_up_spaces(text)
-            if role != "assistant":
-                text = text.strip()
-                text = text[len(role) :].lstrip() if text.startswith(role + "\n") else text
-                text = text[: -len("assistant")].rstrip() if text.endswith("\nassistant") else text
-            messages.append({"role": role, "content": text})
-        start = end
-    return messages
 
 
 def score_examples(
