@@ -92,7 +92,9 @@ if [ -n "$wheels" ]; then
     record FAILED "install the wheels and the project (--offline)" $((SECONDS - t0)) "exit $rc (see more.log)"
     exit 1
   fi
-  export PYTHONPATH="$site/project:$site/deps${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/project/bin:$PATH"
+  # (scripts/ last: python3 -P below does not put a script's folder on the path, and the
+  # benchmarks import scripts/harness.py.)
+  export PYTHONPATH="$site/project:$site/deps:$root/scripts${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/project/bin:$PATH"
   record ok "install $(ls "$wheels"/*.whl | wc -l) wheels and the project (--offline)" $((SECONDS - t0)) ""
 fi
 # -P: the working tree's grpo_cli/ (which has no conf/ inside) must not shadow the installed one.
