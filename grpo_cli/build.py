@@ -45,6 +45,7 @@ from grpo_cli.precision import (
 )
 from grpo_cli.rewards import Rewards, build_rewards, check_reward_columns
 from grpo_cli.roles import Learner, Rollouts
+from grpo_cli.samplers import Context as SamplerContext
 from grpo_cli.samplers import build_sampler
 
 
@@ -233,9 +234,8 @@ def build_rollouts(
     score with. `d`: this process's rank (None: grpo-eval, one process); `stream`: the training
     prompts (None: grpo-eval)."""
     eos_ids = eos_token_ids(tokenizer, model)
-    sampler = build_sampler(
-        cfg.sampler,
-        model,
+    context = SamplerContext(
+        policy=model,
         eos_ids=eos_ids,
         pad_id=tokenizer.pad_token_id,
         precision=precision,
@@ -243,6 +243,7 @@ def build_rollouts(
         seed=cfg.trainer.seed,
         tokenizer=tokenizer,
     )
+    sampler = build_sampler(cfg.sampler, context)
     sampler = with_environment(
         sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
     )

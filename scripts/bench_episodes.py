@@ -33,19 +33,18 @@ import torch
 
 def _sampler(backend: str, model, tok, precision, max_tokens: int, max_model_len: int):
     from grpo_cli.config.schema import SamplerConfig
-    from grpo_cli.samplers import build_sampler
+    from grpo_cli.samplers import Context, build_sampler
 
     cfg = SamplerConfig(backend=backend, max_new_tokens=max_tokens, max_model_len=max_model_len)
-    return build_sampler(
-        cfg,
+    context = Context(
         model,
         eos_ids=[tok.eos_token_id],
         pad_id=tok.pad_token_id,
         precision=precision,
         fast_decode=True,
-        seed=0,
         tokenizer=tok,
     )
+    return build_sampler(cfg, context)
 
 
 def one_turn(sampler, prompts, G, tokens):

@@ -75,7 +75,7 @@ def worker(args) -> None:
     from grpo_cli.logprobs import _forward_logits
     from grpo_cli.precision import autocast, resolve_precision
     from grpo_cli.rewards import build_rewards, correctness, passes, score_examples
-    from grpo_cli.samplers import build_sampler
+    from grpo_cli.samplers import Context, build_sampler
 
     sys.path.insert(0, str(ROOT / "tests"))
     from distribution_helpers import rank_categories
@@ -94,12 +94,7 @@ def worker(args) -> None:
     eos = eos_token_ids(tok, policy)
     sampler = build_sampler(
         cfg.sampler,
-        policy,
-        eos_ids=eos,
-        pad_id=tok.pad_token_id,
-        precision=precision,
-        fast_decode=True,
-        seed=0,
+        Context(policy, eos_ids=eos, pad_id=tok.pad_token_id, precision=precision, fast_decode=True),
     )
     G = cfg.sampler.num_generations
     for seed in args.seeds:

@@ -551,7 +551,7 @@ def test_sampler_correction_auto_is_tis_under_vllm_and_none_under_builtin(compos
 
 
 def test_each_sampler_backend_is_a_module_with_its_keys_and_a_preset():
-    """A backend plugs in as one module of grpo_cli/samplers/ (KEYS, validate, build) and one
+    """A backend plugs in as one module of grpo_cli/samplers/ (its PLUGIN: build, check, facts) and one
     preset: the package lists it by file name and asks nothing else of the rest of the code."""
     import dataclasses
 
@@ -566,12 +566,15 @@ def test_each_sampler_backend_is_a_module_with_its_keys_and_a_preset():
         OmegaConf.load(p).get("backend", SamplerConfig().backend) for p in (CONF / "sampler").glob("*.yaml")
     }
     for name in samplers.BACKENDS:
-        module = samplers.backend(name)
-        assert callable(module.validate) and callable(module.build), name
-        assert set(module.KEYS) <= fields, (name, set(module.KEYS) - fields)
+        declared = samplers.plugin(name)
+        assert declared.name == name and callable(declared.build), name
+        assert isinstance(declared.facts, samplers.Facts), name
+        assert set(declared.facts.keys) <= fields, (name, set(declared.facts.keys) - fields)
         assert name in presets, f"no conf/sampler/*.yaml sets backend: {name}"
-    assert set(samplers.foreign_keys("builtin")) == set(samplers.backend("vllm").KEYS)
-    assert samplers.foreign_keys("vllm") == ()
+    assert set(samplers.foreign_keys("builtin")) == set(samplers.plugin("vllm").facts.keys)
+    assert samplers.foreign_keys("vllm") == {}
+    # loss.sampler_correction=auto follows the backend's declared fact, not its name.
+    assert samplers.plugin("builtin").facts.exact_draw and not samplers.plugin("vllm").facts.exact_draw
 
 
 def test_a_renamed_key_is_read_under_its_old_name_with_a_note(tmp_path):

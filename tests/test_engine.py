@@ -223,7 +223,7 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
     from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
     from grpo_cli.precision import resolve_precision
     from grpo_cli.rewards import Reward, RewardSpec
-    from grpo_cli.samplers import build_sampler
+    from grpo_cli.samplers import Context, build_sampler
 
     cfg = to_typed(compose(TINY[:2] + ["data.eval_size=24", "sampler.max_new_tokens=2"]))
     tok = load_tokenizer(resolve_source("builtin:tiny"))
@@ -232,14 +232,10 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
     model = AutoModelForCausalLM.from_pretrained(build_tiny())
     rewards = [RewardSpec("accuracy", Reward("accuracy", fn=_plus_only), 1.0, role="correctness")]
     fp32 = resolve_precision("fp32", model.device)
-    sampler = build_sampler(
-        cfg.sampler,
-        model,
-        eos_ids=[tok.eos_token_id],
-        pad_id=tok.pad_token_id,
-        precision=fp32,
-        fast_decode=True,
+    context = Context(
+        model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, precision=fp32, fast_decode=True
     )
+    sampler = build_sampler(cfg.sampler, context)
     kw = dict(group_by="operation")
     groups = group_values(held_out, "operation")
     assert groups == ["minus", "plus", "times"]

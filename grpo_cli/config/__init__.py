@@ -33,7 +33,6 @@ from grpo_cli.config.schema import (
     OptimizerConfig,
     SamplerConfig,
     TrainerConfig,
-    sampler_correction,
 )
 from grpo_cli.config.validation import choices, unused_settings, validate
 
@@ -101,7 +100,10 @@ register()
 def to_typed(cfg: Any) -> Config:
     """The composed DictConfig as the schema's dataclasses (interpolations resolved): what the
     engine and the builders read, by attribute name. loss.sampler_correction=auto is resolved
-    here, for the chosen sampler (schema.sampler_correction), so the run's config shows what ran."""
+    here, from the chosen sampler backend's facts (samplers.sampler_correction), so the run's config
+    shows what ran."""
+    from grpo_cli.samplers import sampler_correction
+
     typed = OmegaConf.to_object(cfg) if not isinstance(cfg, Config) else cfg
     typed.loss.sampler_correction = sampler_correction(typed.loss, typed.sampler)
     return typed

@@ -114,6 +114,9 @@ class SamplerConfig:
     stall_timeout_s: float = 300.0
     # Deprecated: the old name of stall_timeout_s, read as it with a note (config/renamed.py).
     stall_timeout: Optional[float] = None
+    # A backend plug-in's own options (grpo_cli/plugins.py), typed by its declaration; the
+    # built-in backends read the flat keys above and take none.
+    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,8 +140,9 @@ class LossConfig:
     # The ratio's old log-probs are the trainer's own, so the first ratio is exactly 1. When the
     # sampler's numerics differ (bf16 decode, an inference engine), `tis` weights each token's
     # policy term by min(exp(trainer - sampler log-prob), tis_cap): truncated importance sampling.
-    # auto: tis under sampler.backend=vllm (its kernels are not the trainer's), none under builtin
-    # (the same model and kernels: the gap is rounding only).
+    # auto: from the backend's declared facts (samplers.Facts.exact_draw): none where the draw is
+    # exact (builtin: the same model and kernels, the gap is rounding only), tis otherwise (vllm:
+    # its kernels and weights copy are not the trainer's).
     sampler_correction: str = "auto"  # auto | none | tis
     tis_cap: float = 2.0
 
@@ -287,10 +291,3 @@ class Config:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
-
-
-def sampler_correction(loss: LossConfig, sampler: SamplerConfig) -> str:
-    """loss.sampler_correction with auto resolved for the chosen sampler: tis or none."""
-    if loss.sampler_correction != "auto":
-        return loss.sampler_correction
-    return "tis" if sampler.backend == "vllm" else "none"

@@ -21,14 +21,13 @@ from grpo_cli.config.schema import (
     LossConfig,
     SamplerConfig,
     TrainerConfig,
-    sampler_correction,
 )
 
 
 def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each option, from the module that implements it (imported here, not
     at the top, so that a bad command line is answered before torch is imported)."""
-    from grpo_cli import adapters, distributed, loss, samplers
+    from grpo_cli import adapters, distributed, loss
     from grpo_cli.data import LONG_PROMPT_RULES, SOURCES
     from grpo_cli.optim import LR_SCHEDULERS, OPTIMIZERS
     from grpo_cli.precision import PRECISIONS
@@ -36,7 +35,6 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {
         "data.source": SOURCES,
         "data.long_prompts": LONG_PROMPT_RULES,
-        "sampler.backend": samplers.BACKENDS,
         "environment.on_error": ("raise", "mask"),
         "environment.protocol": ("tag", "native"),
         "loss.loss_type": tuple(loss.LOSSES),  # the loss table's rows
@@ -118,7 +116,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     problems += _loss_problems(cfg.loss)
     problems += optim.check_optimizer(cfg.optimizer)
     problems += distributed.check_processes(tr)
-    problems += environments.check_environment(cfg.environment, cfg.sampler)
+    problems += environments.check_environment(cfg.environment)
     W = distributed.planned_world_size(tr)
     problems += _micro_batch_problems(tr, cfg.sampler.num_generations, W)
     if tr.device not in ("auto", "cpu", "cuda") and not str(tr.device).startswith("cuda:"):
@@ -131,8 +129,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
     problems += adapters.check_adapter(cfg.adapter, tr)
     problems += _validate_rewards(cfg.reward)
-    if cfg.sampler.backend in samplers.BACKENDS:
-        problems += samplers.validate(cfg, W)  # (each backend validates its own keys)
+    problems += samplers.validate(cfg)  # (its name; then each backend validates its own keys)
     if not unused_ok:
         problems += unused_settings(cfg)
     return problems
@@ -317,18 +314,25 @@ def unused_settings(cfg: Any) -> list[str]:
             "training split instead, otherwise drop data.eval_size."
         )
 
-    if sampler_correction(lo, cfg.sampler) == "none" and lo.tis_cap != LossConfig().tis_cap:
-        shown = "none" if lo.sampler_correction == "none" else "auto (none under sampler.backend=builtin)"
+    from grpo_cli import samplers
+
+    known_backend = not samplers.plugin_problems(cfg.sampler.backend)
+    correction = samplers.sampler_correction(lo, cfg.sampler) if known_backend else lo.sampler_correction
+    if correction == "none" and lo.tis_cap != LossConfig().tis_cap:
+        shown = (
+            "none"
+            if lo.sampler_correction == "none"
+            else f"auto (none under sampler.backend={cfg.sampler.backend})"
+        )
         problems.append(
             f"loss.tis_cap={lo.tis_cap} is ignored with loss.sampler_correction={shown} (it caps the truncated "
             "importance-sampling weights): choose loss.sampler_correction=tis to correct for the "
             "sampler's numerics, otherwise drop loss.tis_cap."
         )
-    from grpo_cli import samplers
-
-    if cfg.sampler.backend in samplers.BACKENDS:
-        for key, value in _changed(cfg.sampler, SamplerConfig(), samplers.foreign_keys(cfg.sampler.backend)):
-            owner = next(n for n in samplers.BACKENDS if key in samplers.backend(n).KEYS)
+    if known_backend:
+        foreign = samplers.foreign_keys(cfg.sampler.backend)
+        for key, value in _changed(cfg.sampler, SamplerConfig(), tuple(foreign)):
+            owner = foreign[key]
             problems.append(
                 f"sampler.{key}={_shown(value)} is ignored by sampler.backend={cfg.sampler.backend} (only "
                 f"sampler.backend={owner} reads it): choose sampler={owner} (grpo-train sampler={owner} "

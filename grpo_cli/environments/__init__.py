@@ -216,9 +216,9 @@ def environment_factory(cfg) -> Callable[[], Any] | None:
     return None
 
 
-def check_environment(env, sampler) -> list[str]:
-    """environment.* (config validation): one of fn and tools, importable; a budget that fits the
-    vLLM engine. env, sampler: the environment and sampler groups."""
+def check_environment(env) -> list[str]:
+    """environment.* (config validation): one of fn and tools, importable. env: the environment
+    group (a sampler backend checks that an episode fits it: samplers/vllm.py)."""
     if not env.fn and not env.tools:
         return []
     problems = []
@@ -233,13 +233,6 @@ def check_environment(env, sampler) -> list[str]:
         environment_factory(env)
     except UserError as exc:
         problems.append(str(exc))
-    if sampler.backend == "vllm" and sampler.max_model_len is None:
-        problems.append(
-            "sampler=vllm with an environment: set sampler.max_model_len to the longest episode's "
-            "sequence (the prompt with the environment's instructions, plus environment.max_episode_tokens), "
-            f"e.g. sampler.max_model_len={sampler.max_prompt_length + 512}; the default "
-            "(max_prompt_length + max_new_tokens) holds one turn only."
-        )
     return problems
 
 

@@ -5,30 +5,71 @@ grpo-train's evaluation and grpo-eval all sample through it.
     builtin   the exact decode loop over the policy itself (samplers/builtin.py)
     vllm      a colocated vLLM engine, its weights synced after every update (samplers/vllm.py)
 
-A backend is one module here (its file name is its `sampler.backend` name) and a preset in
-conf/sampler/. The module declares what the package asks of it:
+A backend is a plug-in (grpo_cli/plugins.py): one module declaring `PLUGIN = Plugin(...)` (a
+module of this package is named by its file; a user's is chosen by import path,
+`sampler.backend=my_pkg.my_sampler`) and a preset in conf/sampler/. What the package asks of it:
 
-    KEYS                     the SamplerConfig keys only this backend reads (validation rejects them
-                             under the other backends); a new key also needs its default there
-    validate(cfg, world_size) -> list[str]   its keys' values, what it cannot run with, its install
-    build(cfg, policy, *, eos_ids, pad_id, precision, fast_decode, seed, tokenizer) -> Sampler
+    build(cfg, context) -> Sampler    cfg: the sampler section; context: a Context (the policy,
+                                      token ids, precision, seed, tokenizer, its own options)
+    check(cfg, world_size) -> problems   its checks of the whole config, its install
+    options                           the dataclass of its own options (`sampler.options.<key>`)
+    facts: Facts                      exact_draw (decides loss.sampler_correction=auto) and the
+                                      flat SamplerConfig keys only it reads (validation rejects
+                                      them under the other backends)
 
-An environment's episodes (environments.episodes.Episodes) wrap the chosen sampler; `draw` is how
-training and evaluation ask for a batch's rollout either way.
+An environment's episodes wrap the chosen sampler; `draw` is how training and evaluation ask for
+a batch's rollout either way.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+import dataclasses
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from grpo_cli import plugins
+from grpo_cli.errors import UserError
+from grpo_cli.plugins import Plugin
 
 if TYPE_CHECKING:
     from grpo_cli.rollout import Rollout
 
 # Every module of this package is a backend, named by its file (no import needed to list them).
-BACKENDS = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+BACKENDS = plugins.builtin_names(__name__)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a backend declares about itself.
+
+    exact_draw: its draw uses the trainer's own numerics (the same model object, the same
+      kernels up to their order), so its log-probs match the trainer's within its tolerance and
+      loss.sampler_correction=auto means none; False (an inference engine with its own kernels,
+      precision or weights copy): auto means tis (truncated importance sampling, ref 000.8).
+    keys: the flat SamplerConfig keys only this backend reads.
+    """
+
+    exact_draw: bool
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a backend's build gets besides the sampler section: the policy it samples from (or
+    copies), the token ids that end and pad a completion, the trainer's precision.Precision,
+    fast_decode (trainer.fast_decode: the CPU decode linears), the run's seed (for requests
+    without one), the tokenizer (stop strings) and the backend's own options (filled in by
+    build_sampler)."""
+
+    policy: Any
+    eos_ids: list[int]
+    pad_id: int
+    precision: Any
+    fast_decode: bool = False
+    seed: int = 0
+    tokenizer: Any = None
+    options: Any = None
 
 
 class Sampler(Protocol):
@@ -77,11 +118,15 @@ class Sampler(Protocol):
         """Free what the sampler holds (at the end of a run, and of each sweep job)."""
 
 
-def backend(name: str):
-    """The module of backend `name` (one of BACKENDS; validation rejects other names first)."""
-    if name not in BACKENDS:
-        raise ValueError(f"sampler.backend={name!r}: choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(f"{__name__}.{name}")
+def plugin(name: str) -> Plugin:
+    """The declaration of backend `name`: a module of this package, or a user's by import path
+    (plugins.load; UserError otherwise)."""
+    return plugins.load(__name__, name, "sampler.backend")
+
+
+def plugin_problems(name: str) -> list[str]:
+    """sampler.backend's problem when `name` names no backend (a list of at most one)."""
+    return plugins.check_name(__name__, name, "sampler.backend")
 
 
 def check_sampling(s) -> list[str]:
@@ -110,40 +155,44 @@ def check_sampling(s) -> list[str]:
     return problems
 
 
-def validate(cfg, world_size: int) -> list[str]:
-    """The chosen backend's own checks of the whole config (cfg.sampler.backend is valid)."""
-    return backend(cfg.sampler.backend).validate(cfg, world_size)
+def validate(cfg) -> list[str]:
+    """The chosen backend's problems: its name, its options' (`sampler.options`), then its own
+    checks of the whole config."""
+    try:
+        chosen = plugin(cfg.sampler.backend)
+        plugins.read_options(chosen, cfg.sampler.options, "sampler.options")
+    except UserError as exc:
+        return [str(exc)]
+    return chosen.problems(cfg)
 
 
-def foreign_keys(chosen: str) -> tuple[str, ...]:
-    """The sampler keys that other backends read and `chosen` does not."""
-    mine = set(backend(chosen).KEYS)
-    return tuple(k for name in BACKENDS if name != chosen for k in backend(name).KEYS if k not in mine)
+def foreign_keys(chosen: str) -> dict[str, str]:
+    """The flat sampler keys that other built-in backends read and `chosen` does not, each with
+    the backend that reads it."""
+    mine = set(plugin(chosen).facts.keys)
+    return {
+        key: name
+        for name in plugins.builtin_names(__name__)
+        if name != chosen
+        for key in plugin(name).facts.keys
+        if key not in mine
+    }
 
 
-def build_sampler(
-    cfg,
-    policy,
-    *,
-    eos_ids: list[int],
-    pad_id: int,
-    precision,
-    fast_decode: bool,
-    seed: int = 0,
-    tokenizer=None,
-) -> Sampler:
-    """The sampler that cfg.backend names. seed: the engine's own seed (vLLM: for requests
-    without one; the built-in sampler has none). tokenizer: for stop strings (the built-in sampler)."""
-    return backend(cfg.backend).build(
-        cfg,
-        policy,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        precision=precision,
-        fast_decode=fast_decode,
-        seed=seed,
-        tokenizer=tokenizer,
-    )
+def sampler_correction(loss, sampler) -> str:
+    """loss.sampler_correction with auto resolved for the chosen backend's facts: none where its
+    draw is exact (the trainer's own numerics), tis otherwise. loss, sampler: the two sections."""
+    if loss.sampler_correction != "auto":
+        return loss.sampler_correction
+    return "none" if plugin(sampler.backend).facts.exact_draw else "tis"
+
+
+def build_sampler(cfg, context: Context) -> Sampler:
+    """The sampler that cfg.backend names (cfg: the sampler section), its own options read from
+    cfg.options into context.options."""
+    chosen = plugin(cfg.backend)
+    options = plugins.read_options(chosen, cfg.options, "sampler.options")
+    return chosen.build(cfg, dataclasses.replace(context, options=options))
 
 
 def draw(sampler, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:

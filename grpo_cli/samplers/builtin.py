@@ -21,8 +21,10 @@ import torch.nn.functional as F
 
 from grpo_cli.distributed import full_weights
 from grpo_cli.logprobs import filter_logits, model_logits
+from grpo_cli.plugins import Plugin
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rollout import Rollout
+from grpo_cli.samplers import Facts
 
 # The low-level parts live in samplers/_primitives.py. Re-imported here: other modules and tests
 # import them from this module, and tests patch builtin.draw and builtin.few_rows_linears, which
@@ -50,28 +52,24 @@ from grpo_cli.samplers._primitives import (  # noqa: F401
 TOLERANCE = {"fp32": (1e-4, 5e-4), "bf16": (0.1, 1.0), "bf16-autocast": (0.1, 1.0), "fp16": (0.1, 1.0)}
 
 
-# The SamplerConfig keys only this backend reads: none (it reads the shared ones).
-KEYS: tuple[str, ...] = ()
-
-
-def validate(cfg, world_size: int) -> list[str]:
-    """Nothing of its own to check: the shared sampler keys are validated for every backend."""
-    return []
-
-
-def build(
-    cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool, seed: int = 0, tokenizer=None
-) -> BuiltinSampler:
-    """The sampler (its draws are seeded per request through generate's seeds, so `seed` is unused)."""
+def build(cfg, context) -> BuiltinSampler:
+    """The sampler (its draws are seeded per request through generate's seeds, so context.seed
+    is unused)."""
+    c = context
     return BuiltinSampler(
         cfg,
-        policy,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        precision=precision,
-        fast_decode=fast_decode,
-        tokenizer=tokenizer,
+        c.policy,
+        eos_ids=c.eos_ids,
+        pad_id=c.pad_id,
+        precision=c.precision,
+        fast_decode=c.fast_decode,
+        tokenizer=c.tokenizer,
     )
+
+
+# It samples from the policy itself with the trainer's kernels: its draw is exact, so
+# loss.sampler_correction=auto needs no correction. It reads only the shared sampler keys.
+PLUGIN = Plugin(name="builtin", build=build, facts=Facts(exact_draw=True))
 
 
 class BuiltinSampler:

@@ -32,8 +32,11 @@ from importlib.util import find_spec
 
 import torch
 
+from grpo_cli.distributed import planned_world_size
 from grpo_cli.errors import EXIT_USER_ERROR, UserError
+from grpo_cli.plugins import Plugin
 from grpo_cli.rollout import Rollout
+from grpo_cli.samplers import Facts
 from grpo_cli.samplers.builtin import left_pad
 
 # vLLM versions this sampler drives: the APIs it calls (in-place reload_weights through
@@ -67,9 +70,10 @@ def install_command(device: str) -> str:
     return f"GRPO_EXTRAS={extra} bash scripts/run.sh grpo-train sampler=vllm"
 
 
-def validate(cfg, world_size: int) -> list[str]:
+def check(cfg) -> list[str]:
     """sampler.backend=vllm: its keys' values, what it cannot run with, and vLLM importable."""
     s, tr, a = cfg.sampler, cfg.trainer, cfg.adapter
+    world_size = planned_world_size(tr)
     problems = []
     if find_spec("vllm") is None:
         problems.append(
@@ -122,6 +126,13 @@ def validate(cfg, world_size: int) -> list[str]:
         problems.append(
             "sampler.sleep_mode=true needs a GPU (it releases GPU memory during the update); vLLM's CPU "
             "backend has none: drop sampler.sleep_mode."
+        )
+    if (cfg.environment.fn or cfg.environment.tools) and s.max_model_len is None:
+        problems.append(
+            "sampler=vllm with an environment: set sampler.max_model_len to the longest episode's "
+            "sequence (the prompt with the environment's instructions, plus environment.max_episode_tokens), "
+            f"e.g. sampler.max_model_len={s.max_prompt_length + 512}; the default "
+            "(max_prompt_length + max_new_tokens) holds one turn only."
         )
     return problems
 
@@ -486,9 +497,13 @@ class VLLMSampler:
             torch.cuda.empty_cache()
 
 
-def build(
-    cfg, policy, *, eos_ids, pad_id, precision, fast_decode: bool = False, seed: int = 0, tokenizer=None
-) -> VLLMSampler:
-    """The engine (fast_decode is the built-in sampler's; vLLM has its own kernels; it reads the
-    model's tokenizer itself)."""
-    return VLLMSampler(cfg, policy, eos_ids=eos_ids, pad_id=pad_id, precision=precision, seed=seed)
+def build(cfg, context) -> VLLMSampler:
+    """The engine (context.fast_decode is the built-in sampler's; vLLM has its own kernels; it
+    reads the model's tokenizer itself)."""
+    c = context
+    return VLLMSampler(cfg, c.policy, eos_ids=c.eos_ids, pad_id=c.pad_id, precision=c.precision, seed=c.seed)
+
+
+# Its draw runs vLLM's own kernels on its own copy of the weights: not exact, so
+# loss.sampler_correction=auto corrects for it (tis).
+PLUGIN = Plugin(name="vllm", build=build, check=check, facts=Facts(exact_draw=False, keys=KEYS))

@@ -1,0 +1,131 @@
+"""The one plug-in shape: sampler backends, environments' building blocks, loss variants,
+trackers and data sources each declare themselves the same way, and rewards' `Reward` has the
+same fields (name, options, check, build, close) with its facts spelled out.
+
+A plug-in is a module that declares ``PLUGIN = Plugin(...)``. The built-ins are the modules of
+the kind's package whose names do not start with an underscore, each named by its file; a user's
+own is chosen by its import path wherever the kind's name goes::
+
+    sampler.backend=my_pkg.my_sampler           data.source=my_pkg.my_data
+    loss.loss_type=my_pkg.my_loss               trainer.report_to=[jsonl,my_pkg.my_tracker]
+
+so a new one is one module and one preset (conf/<group>/<name>.yaml, or a folder of the user's
+on Hydra's search path), with no edit anywhere else (tests/test_plugins.py counts it). Its own
+options, typed by its `options` dataclass, come from the section's `options` node
+(`sampler.options.beam=4`); the built-ins keep the flat keys users already have.
+
+What a plug-in may rely on is declared in `facts` (a frozen record of the kind's: a sampler
+backend's is samplers.Facts, whose `exact_draw` decides whether the trainer corrects for the
+sampler's numerics), never probed with hasattr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_cli.errors import UserError
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """One plug-in, declared once.
+
+    name: its name in YAML (a built-in's module name; a user's is its import path).
+    build(...): makes what the kind asks for (a Sampler, a loss Variant, a tracker, a data
+      source's rows); the kind's package documents the call.
+    options: the dataclass of its own options and their defaults, read from `<section>.options`
+      (None: it has none).
+    check(cfg) -> problems: its checks of the whole config, one paragraph each, run by config
+      validation before any model loads.
+    close(built): frees what build made, whether the run ended well or not (None: nothing to free).
+    facts: a frozen record of the kind's, what the rest of the code may rely on.
+    """
+
+    name: str
+    build: Callable[..., Any]
+    options: type | None = None
+    check: Callable[[Any], list[str]] | None = None
+    close: Callable[[Any], None] | None = None
+    facts: Any = None
+
+    def problems(self, cfg: Any) -> list[str]:
+        return list(self.check(cfg)) if self.check is not None else []
+
+
+def builtin_names(package: str) -> tuple[str, ...]:
+    """The built-in plug-ins of `package` (an imported package's name): its public modules, sorted,
+    found without importing them."""
+    path = importlib.import_module(package).__path__
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(path) if not m.name.startswith("_")))
+
+
+def is_import_path(name: str) -> bool:
+    """Whether a plug-in name is a user's import path (built-in names have no dot)."""
+    return "." in str(name)
+
+
+def load(package: str, name: str, where: str) -> Plugin:
+    """The plug-in called `name`: the built-in module `package.name`, or the module at the import
+    path `name` (`pkg.mod`, or `pkg.mod:ATTR` for a declaration not called PLUGIN). where: the key
+    that named it (`sampler.backend`), for the error."""
+    builtins = builtin_names(package)
+    if not is_import_path(name):
+        if name not in builtins:
+            raise UserError(
+                f"{where}={name!r} is not one of {', '.join(builtins)}; choose one of those, or give the "
+                f"import path of a module of yours that declares PLUGIN (e.g. {where}=my_pkg.my_module)."
+            )
+        module_name, attr = f"{package}.{name}", "PLUGIN"
+    else:
+        module_name, _, attr = str(name).partition(":")
+        attr = attr or "PLUGIN"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(
+            f"{where}={name!r}: module {module_name!r} cannot be imported ({exc}). Install it, or run from "
+            "the folder that holds it (it must be on the import path)."
+        ) from exc
+    declared = getattr(module, attr, None)
+    if not isinstance(declared, Plugin):
+        raise UserError(
+            f"{where}={name!r}: {module_name}.{attr} is {type(declared).__name__}, not a "
+            f"grpo_cli.plugins.Plugin; declare `{attr} = Plugin(name=..., build=...)` in {module_name}."
+        )
+    return declared
+
+
+def check_name(package: str, name: str, where: str) -> list[str]:
+    """`where`'s problem (a list of at most one) when `name` names no plug-in of `package`."""
+    try:
+        load(package, name, where)
+    except UserError as exc:
+        return [str(exc)]
+    return []
+
+
+def read_options(plugin: Plugin, node: Mapping[str, Any] | None, where: str) -> Any:
+    """The plug-in's options from its `options` node (a mapping; None or {}: the defaults), as an
+    instance of plugin.options. UserError naming every unknown key, or options given to a plug-in
+    that takes none."""
+    node = dict(node or {})
+    if plugin.options is None:
+        if node:
+            raise UserError(f"{where}={node} is set, but {plugin.name} takes no options; drop {where}.")
+        return None
+    known = {f.name for f in dataclasses.fields(plugin.options)}
+    unknown = sorted(set(node) - known)
+    if unknown:
+        raise UserError(
+            f"{where} has {', '.join(unknown)}, which {plugin.name} does not read; its options are "
+            f"{', '.join(sorted(known)) or 'none'}."
+        )
+    try:
+        return plugin.options(**node)
+    except TypeError as exc:
+        raise UserError(f"{where}={node}: {exc}") from exc
