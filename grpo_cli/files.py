@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from grpo_cli.errors import UserError, first_line
+
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write `data` to a temporary file beside `path`, then rename it into place (one atomic
@@ -42,3 +44,11 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_error(path, exc: OSError) -> UserError:
+    """The error for a file or folder that could not be written (a full or read-only disk)."""
+    return UserError(
+        f"could not write {path}: {first_line(exc)}. Free disk space or point hydra.run.dir at a "
+        "writable disk with room."
+    )

@@ -23,10 +23,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from grpo_cli.errors import UserError, first_line
-from grpo_cli.files import write_atomic
+from grpo_cli.files import write_atomic, write_error
 from grpo_cli.samples import SAMPLES_FILE, showcase, showcase_table
-from grpo_cli.trackers import Trackio, Wandb
+from grpo_cli.trackers import Start, Trackers
 
 METRICS_FILE = "metrics.jsonl"
 # Columns of the console table (all of them go to metrics.jsonl).
@@ -94,19 +93,8 @@ class MetricsLogger:
         self._pending: list[dict] = []
         self._showcase: list[dict] = []  # the samples table's rows, printed with the metrics table
         # Trackers (trainer.report_to beyond jsonl) get every row under its metrics.jsonl names.
-        self.trackers: list[Any] = []
-        if writer and "tensorboard" in report_to:
-            self.trackers.append(TensorBoard(run_dir / "tensorboard", resume_step))
-        for name, tracker in (("wandb", Wandb), ("trackio", Trackio)):
-            if writer and name in report_to:
-                self.trackers.append(
-                    tracker(
-                        run_dir,
-                        run_name=run_name or _run_name(run_dir),
-                        config=run_config or {},
-                        resume_step=resume_step,
-                    )
-                )
+        start = Start(run_dir, run_name or _run_name(run_dir), run_config or {}, resume_step)
+        self.trackers = Trackers(report_to if writer else (), start)
         self.progress = Progress(
             TextColumn("[bold]training"),
             BarColumn(),
@@ -127,8 +115,7 @@ class MetricsLogger:
 
     def __exit__(self, *exc):
         self.progress.stop()
-        for tracker in self.trackers:
-            tracker.close()
+        self.trackers.close()
         return False
 
     def log(self, row: dict[str, Any]) -> None:
@@ -142,9 +129,8 @@ class MetricsLogger:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(clean, allow_nan=True) + "\n")
         except OSError as exc:
-            raise _write_error(self.path, exc) from exc
-        for tracker in self.trackers:
-            tracker.log(clean)
+            raise write_error(self.path, exc) from exc
+        self.trackers.log(clean)
         self.rows.append(clean)
         self._pending.append(clean)
         if "reward" in clean:
@@ -162,12 +148,10 @@ class MetricsLogger:
             with open(self.samples_path, "a") as fh:
                 fh.write("".join(json.dumps(r, ensure_ascii=False, allow_nan=True) + "\n" for r in records))
         except OSError as exc:
-            raise _write_error(self.samples_path, exc) from exc
+            raise write_error(self.samples_path, exc) from exc
         if show and (row := showcase(records)) is not None:
             self._showcase.append(row)
-            for tracker in self.trackers:  # a table of the step's completions (W&B, Trackio)
-                if hasattr(tracker, "log_samples"):
-                    tracker.log_samples(records[0]["step"], records)
+            self.trackers.log_samples(records[0]["step"], records)  # (W&B, Trackio)
 
     def advance(self, step: int) -> None:
         self.progress.update(self.task, completed=step)
@@ -197,36 +181,6 @@ class MetricsLogger:
         print(text, file=sys.stderr, flush=True)
 
 
-class TensorBoard:
-    """Each row's numbers as TensorBoard scalars, named as in metrics.jsonl, in `log_dir`."""
-
-    def __init__(self, log_dir: Path, resume_step: int = 0):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise UserError(
-                f"trainer.report_to includes tensorboard, but it cannot be imported ({first_line(exc)}); "
-                "install it with: pip install 'grpo-cli[tensorboard]', or drop it: "
-                "trainer.report_to=[jsonl]."
-            ) from exc
-        try:
-            # A resumed run hides the events logged after its checkpoint, as metrics.jsonl drops those rows.
-            self.writer = SummaryWriter(
-                log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None
-            )
-        except OSError as exc:
-            raise _write_error(log_dir, exc) from exc
-
-    def log(self, row: dict[str, Any]) -> None:
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, value, global_step=row["step"])
-        self.writer.flush()  # readable while the run goes on
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 def _run_name(run_dir: Path) -> str:
     """A tracker's name for the run: its folder, relative to the working directory where it lies
     below it (outputs/2026-12-01/10-58-01-<id>, multirun/<...>/0). Unique, unlike the folder's own
@@ -250,7 +204,7 @@ def _restart(path: Path, resume_step: int) -> None:
         elif path.exists():
             path.unlink()
     except OSError as exc:
-        raise _write_error(path, exc) from exc
+        raise write_error(path, exc) from exc
 
 
 def _step_of(line: str) -> int:
@@ -259,13 +213,6 @@ def _step_of(line: str) -> int:
         return int(json.loads(line).get("step", 0))
     except (ValueError, AttributeError):
         return 1 << 62
-
-
-def _write_error(path: Path, exc: OSError) -> UserError:
-    return UserError(
-        f"could not write {path}: {first_line(exc)}. Free disk space or point hydra.run.dir at a "
-        "writable disk with room."
-    )
 
 
 # ----------------------------------------------------------------------------- a step's row

@@ -73,8 +73,8 @@ def load(package: str, name: str, where: str) -> Plugin:
     """The plug-in called `name`: the built-in module `package.name`, or the module at the import
     path `name` (`pkg.mod`, or `pkg.mod:ATTR` for a declaration not called PLUGIN). where: the key
     that named it (`sampler.backend`), for the error."""
-    builtins = builtin_names(package)
     if not is_import_path(name):
+        builtins = builtin_names(package)
         if name not in builtins:
             raise UserError(
                 f"{where}={name!r} is not one of {', '.join(builtins)}; choose one of those, or give the "

@@ -401,7 +401,8 @@ def test_an_unknown_tracker_lists_the_valid_names(compose, trackers):
     problems = validate(compose(["trainer.report_to=[jsonl,mlflow]"]))
     assert problems == [
         "trainer.report_to=[jsonl,mlflow]: unknown name mlflow; the valid names are jsonl, tensorboard, "
-        "wandb, trackio (e.g. trainer.report_to=[jsonl,tensorboard])."
+        "trackio, wandb (e.g. trainer.report_to=[jsonl,tensorboard]), or the import path of a tracker of "
+        "yours (a module declaring PLUGIN)."
     ]
 
 

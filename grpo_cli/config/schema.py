@@ -145,6 +145,9 @@ class LossConfig:
     # its kernels and weights copy are not the trainer's).
     sampler_correction: str = "auto"  # auto | none | tis
     tis_cap: float = 2.0
+    # A loss variant plug-in's own options (loss.loss_type=my_pkg.my_loss, grpo_cli/plugins.py),
+    # typed by its declaration; its policy term reads them as cfg.options. The built-in rows take none.
+    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

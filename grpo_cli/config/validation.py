@@ -37,7 +37,6 @@ def choices() -> dict[str, tuple[str, ...]]:
         "data.long_prompts": LONG_PROMPT_RULES,
         "environment.on_error": ("raise", "mask"),
         "environment.protocol": ("tag", "native"),
-        "loss.loss_type": tuple(loss.LOSSES),  # the loss table's rows
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
         "loss.scale_rewards": loss.SCALE_REWARDS,
@@ -171,6 +170,23 @@ def _loss_problems(lo: Any) -> list[str]:
         )
     if not lo.beta >= 0:
         problems.append(f"loss.beta={lo.beta} must be >= 0; use 0 to train without a reference model.")
+    from grpo_cli import loss, plugins
+    from grpo_cli.errors import UserError
+
+    try:  # a row of the loss table, or a user's variant by import path, with its own options
+        loss.variant(lo.loss_type)
+        declared = (
+            plugins.load("grpo_cli.loss", lo.loss_type, "loss.loss_type") if "." in lo.loss_type else None
+        )
+        if declared is not None:
+            plugins.read_options(declared, lo.options, "loss.options")
+        elif lo.options:
+            problems.append(
+                f"loss.options={dict(lo.options)} is set, but loss.loss_type={lo.loss_type} takes no "
+                "options; drop loss.options."
+            )
+    except (ValueError, UserError) as exc:
+        problems.append(str(exc))
     return problems
 
 

@@ -28,12 +28,14 @@ The loss table, :data:`LOSSES`, is here: ``loss.loss_type`` names one of its row
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from grpo_cli import plugins
 from grpo_cli.loss.advantages import (
     _effective_mask,
     group_advantages,
@@ -77,6 +79,7 @@ __all__ = [
     "LOG_RATIO_CLAMP",
     "LOSSES",
     "Variant",
+    "variant",
     "Counts",
     # the allowed values of the other string options (options.py), read by config validation
     "ESTIMATORS",
@@ -204,7 +207,8 @@ def _check_options(cfg: LossConfig, ref_logps: Tensor | None, group_std: Tensor 
     beta, zero_std = cfg.beta, cfg.zero_std
     _check_choice("importance_sampling_level", cfg.importance_sampling_level, IS_LEVELS)
     _check_choice("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
-    _check_choice("loss_type", cfg.loss_type, tuple(LOSSES))
+    if not plugins.is_import_path(cfg.loss_type):
+        _check_choice("loss_type", cfg.loss_type, tuple(LOSSES))
     _check_choice("zero_std", zero_std, ZERO_STD_MODES)
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
@@ -212,7 +216,31 @@ def _check_options(cfg: LossConfig, ref_logps: Tensor | None, group_std: Tensor 
         raise ValueError(f"beta={beta} > 0 needs ref_logps (reference-model log-probs)")
     if zero_std == "weight" and group_std is None:
         raise ValueError("zero_std='weight' needs group_std (from group_advantages)")
-    return LOSSES[cfg.loss_type]
+    return variant(cfg.loss_type)
+
+
+@functools.cache
+def variant(name: str) -> Variant:
+    """``loss.loss_type``'s row: one of :data:`LOSSES`, or a user's variant by import path
+    (``my_pkg.my_loss``: a module declaring ``PLUGIN = Plugin(name=..., build=lambda: Variant(...))``,
+    grpo_cli/plugins.py), so a variant of one's own needs no edit here. ValueError otherwise."""
+    if name in LOSSES:
+        return LOSSES[name]
+    if not plugins.is_import_path(name):
+        raise ValueError(
+            f"loss.loss_type={name!r} is not one of {', '.join(LOSSES)}; choose one of those, or give the import "
+            "path of a module of yours that declares PLUGIN (e.g. loss.loss_type=my_pkg.my_loss)."
+        )
+    try:
+        made = plugins.load(__name__, name, "loss.loss_type").build()
+    except plugins.UserError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(made, Variant):
+        raise ValueError(
+            f"loss.loss_type={name!r}: its PLUGIN's build() returned {type(made).__name__}, not a "
+            "grpo_cli.loss.Variant(policy_term=..., reduce=...)."
+        )
+    return made
 
 
 def _check_shapes(logps: Tensor, tokens: dict[str, Tensor | None], rows: dict[str, Tensor | None]) -> None:
