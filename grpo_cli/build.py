@@ -20,7 +20,16 @@ from omegaconf import OmegaConf
 from grpo_cli import checkpoint as ckpt
 from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
 from grpo_cli.config import Config, DataConfig
-from grpo_cli.data import Example, PromptStream, arithmetic_wide_rows, build_prompts, read_rows, to_examples
+from grpo_cli.data import (
+    Example,
+    Formatting,
+    PromptStream,
+    build_prompts,
+    read_rows,
+    to_examples,
+    wide_eval_rows,
+)
+from grpo_cli.data import plugin as data_source
 from grpo_cli.distributed import Dist, shard_model, wrap_scorer
 from grpo_cli.environments.episodes import with_environment
 from grpo_cli.errors import UserError, first_line
@@ -51,21 +60,7 @@ from grpo_cli.samplers import build_sampler
 
 def read_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     """The training and held-out rows that cfg.data names (no tokenizer needed)."""
-    d = cfg.data
-    return read_rows(
-        source=d.source,
-        path=d.path,
-        subset=d.subset,
-        split=d.split,
-        eval_split=d.eval_split,
-        eval_size=d.eval_size,
-        prompt_column=d.prompt_column,
-        num_examples=d.num_examples,
-        max_operand=d.max_operand,
-        max_multiplier=d.max_multiplier,
-        operations=list(d.operations),
-        seed=cfg.trainer.seed,
-    )
+    return read_rows(cfg.data, cfg.trainer.seed)
 
 
 def build_tokenizer(cfg: Config, log) -> tuple[ModelSource, Any]:
@@ -85,49 +80,21 @@ def build_tokenizer(cfg: Config, log) -> tuple[ModelSource, Any]:
 
 
 def read_wide_eval(cfg: Config) -> list[dict]:
-    """The second held-out set's rows (built-in arithmetic, data.wide_eval_max_operand), or []."""
-    d = cfg.data
-    if d.source != "arithmetic" or not d.wide_eval_max_operand:
-        return []
-    return arithmetic_wide_rows(
-        d.eval_size,
-        max_operand=d.max_operand,
-        wide_max_operand=d.wide_eval_max_operand,
-        max_multiplier=d.max_multiplier,
-        operations=list(d.operations),
-        seed=cfg.trainer.seed,
-    )
+    """The second held-out set's rows (the data source's, e.g. arithmetic's wide operands), or []."""
+    return wide_eval_rows(cfg.data, cfg.trainer.seed)
 
 
 def build_wide_eval(cfg: Config, rows: list[dict], tokenizer) -> list[Example]:
     """Tokenised prompts of the second held-out set, formatted as the held-out split is."""
-    d = cfg.data
-    return to_examples(
-        rows,
-        tokenizer,
-        where="the wide held-out set",
-        prompt_column=d.prompt_column,
-        system_prompt=d.system_prompt,
-        use_chat_template=d.use_chat_template,
-        max_prompt_length=cfg.sampler.max_prompt_length,
-        long_prompts=d.long_prompts,
-    )
+    formatting = Formatting.of(cfg.data, cfg.sampler.max_prompt_length)
+    return to_examples(rows, tokenizer, formatting, "the wide held-out set")
 
 
 def build_data(cfg: Config, rows: tuple[list[dict], list[dict]], tokenizer):
     """Tokenised prompts (chat template, long-prompt rule) from the rows of read_data."""
     d = cfg.data
-    return build_prompts(
-        *rows,
-        tokenizer=tokenizer,
-        source=d.source,
-        path=d.path,
-        prompt_column=d.prompt_column,
-        system_prompt=d.system_prompt,
-        use_chat_template=d.use_chat_template,
-        long_prompts=d.long_prompts,
-        max_prompt_length=cfg.sampler.max_prompt_length,
-    )
+    formatting = Formatting.of(d, cfg.sampler.max_prompt_length)
+    return build_prompts(rows, tokenizer, formatting, f"data ({d.source} {d.path or ''})".strip())
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -341,7 +308,9 @@ def _data_summary(cfg: Config, data, wide_eval) -> str:
             if wide_eval
             else f" (no wide held-out set: data.wide_eval_max_operand={cfg.data.wide_eval_max_operand} is not "
             f"above data.max_operand={cfg.data.max_operand})"
-            if cfg.data.source == "arithmetic" and cfg.data.wide_eval_max_operand and cfg.data.eval_size
+            if data_source(cfg.data.source).facts.wide_eval
+            and cfg.data.wide_eval_max_operand
+            and cfg.data.eval_size
             else ""
         )
         + (

@@ -9,14 +9,9 @@ import pytest
 
 from grpo_cli.build import build_data, read_data
 from grpo_cli.config import to_typed
-from grpo_cli.data import (
-    PromptStream,
-    arithmetic_rows,
-    arithmetic_wide_rows,
-    build_prompts,
-    read_rows,
-    wide_space,
-)
+from grpo_cli.config.schema import DataConfig
+from grpo_cli.data import Formatting, PromptStream, build_prompts, read_rows
+from grpo_cli.data.arithmetic import arithmetic_rows, arithmetic_wide_rows, wide_space
 from grpo_cli.errors import UserError
 from grpo_cli.models import load_tokenizer, resolve_source
 
@@ -27,34 +22,14 @@ def tok():
 
 
 def load(tok, **overrides):
-    kw = dict(
-        tokenizer=tok,
-        source="arithmetic",
-        path=None,
-        subset=None,
-        split="train",
-        eval_split=None,
-        eval_size=10,
-        prompt_column="prompt",
-        system_prompt=None,
-        use_chat_template=True,
-        long_prompts="drop",
-        max_prompt_length=256,
-        num_examples=50,
-        max_operand=99,
-        max_multiplier=12,
-        operations=["+", "-", "*"],
-        seed=0,
-    )
+    """read_rows then build_prompts, for a data section with `overrides` (and max_prompt_length, seed)."""
+    kw = dict(eval_size=10, num_examples=50, max_operand=99, max_multiplier=12, operations=["+", "-", "*"])
     kw.update(overrides)
-    prompt_keys = ("tokenizer", "system_prompt", "use_chat_template", "long_prompts", "max_prompt_length")
-    rows = read_rows(**{k: v for k, v in kw.items() if k not in prompt_keys})
+    seed, max_prompt_length = kw.pop("seed", 0), kw.pop("max_prompt_length", 256)
+    d = DataConfig(**kw)
+    rows = read_rows(d, seed)
     return build_prompts(
-        *rows,
-        source=kw["source"],
-        path=kw["path"],
-        prompt_column=kw["prompt_column"],
-        **{k: kw[k] for k in prompt_keys},
+        rows, tok, Formatting.of(d, max_prompt_length), f"data ({d.source} {d.path or ''})".strip()
     )
 
 

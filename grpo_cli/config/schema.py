@@ -65,6 +65,9 @@ class DataConfig:
     # built-in arithmetic's `kind` gives eval/accuracy/plus, /minus (result >= 0), /minus_negative
     # and /times (its `operation` column: plus, minus, times); null: no breakdown.
     eval_group_by: Optional[str] = "kind"
+    # A data source plug-in's own options (data.source=my_pkg.my_data, grpo_cli/plugins.py), typed
+    # by its declaration. The built-in sources read the flat keys above and take none.
+    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -28,12 +28,11 @@ def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each option, from the module that implements it (imported here, not
     at the top, so that a bad command line is answered before torch is imported)."""
     from grpo_cli import adapters, distributed, loss
-    from grpo_cli.data import LONG_PROMPT_RULES, SOURCES
+    from grpo_cli.data import LONG_PROMPT_RULES
     from grpo_cli.optim import LR_SCHEDULERS, OPTIMIZERS
     from grpo_cli.precision import PRECISIONS
 
     return {
-        "data.source": SOURCES,
         "data.long_prompts": LONG_PROMPT_RULES,
         "environment.on_error": ("raise", "mask"),
         "environment.protocol": ("tag", "native"),

@@ -79,9 +79,9 @@ class Trackers:
     def __init__(self, report_to, start: Start):
         self._built: list[tuple[Plugin, Any]] = []
         try:
-            for name in report_to:
-                if str(name) != JSONL:
-                    declared = plugin(str(name))
+            for name in dict.fromkeys(str(n) for n in report_to):  # a name given twice is one tracker
+                if name != JSONL:
+                    declared = plugin(name)
                     self._built.append((declared, declared.build(start)))
         except BaseException:
             self.close()
@@ -134,7 +134,7 @@ def check_report_to(report_to: list[str]) -> list[str]:
     shown = f"trainer.report_to=[{','.join(names_given)}]"
     problems = _jsonl_required(names_given, shown)
     unknown = []
-    for name in names_given:
+    for name in dict.fromkeys(names_given):  # a name given twice is one tracker
         if name == JSONL:
             continue
         try:
