@@ -65,6 +65,8 @@ _COSMETIC_KEYS = {
     "model.offline_gguf",
     "model.trust_remote_code",
     "trainer.report_to",
+    "trainer.distributed_timeout_s",
+    "trainer.distributed_timeout",  # (its old name: a checkpoint saved before the rename has it)
 }
 
 

@@ -580,13 +580,16 @@ def test_each_sampler_backend_is_a_module_with_its_keys_and_a_preset():
 
 def test_a_renamed_key_is_read_under_its_old_name_with_a_note(tmp_path):
     """One naming rule for time limits (*_timeout_s): sampler.stall_timeout became
-    sampler.stall_timeout_s; the old name still works, with a one-line note naming both."""
+    sampler.stall_timeout_s and trainer.distributed_timeout trainer.distributed_timeout_s; the old
+    names still work, with a one-line note naming both."""
     from conftest import console_script, run_cli
 
     from grpo_cli.cli.common import compose_config
 
     cfg = compose_config(["sampler=vllm", "sampler.stall_timeout=42"], check=False)
     assert cfg.sampler.stall_timeout_s == 42 and cfg.sampler.stall_timeout is None
+    cfg = compose_config(["trainer.distributed_timeout=60"], check=False)
+    assert cfg.trainer.distributed_timeout_s == 60 and cfg.trainer.distributed_timeout is None
     # (num_generations=1 stops the run at validation, after the note, before any model loads.)
     args = [console_script("grpo-train"), "sampler.stall_timeout=42", "sampler.num_generations=1"]
     res = run_cli(args, tmp_path)

@@ -296,14 +296,14 @@ def test_a_rank_that_hangs_makes_the_others_stop_after_the_timeout(tmp_path):
     args = SMALL + [
         "reward.code.fn=reward_fixtures:hangs_on_rank_1",
         "trainer.max_steps=2",
-        "trainer.distributed_timeout=5",
+        "trainer.distributed_timeout_s=5",
         f"hydra.run.dir={run}",
     ]
     t0 = time.monotonic()
     res = grpo(args, tmp_path, timeout=200)
     took = time.monotonic() - t0
     assert res.returncode not in (0, 130, 143), res.stdout + res.stderr
-    assert "trainer.distributed_timeout=5" in res.stderr, res.stderr
+    assert "trainer.distributed_timeout_s=5" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr, res.stderr
     assert took < 120, took
 

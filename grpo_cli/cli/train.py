@@ -193,8 +193,8 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
             raise RunFailed(
                 f"grpo-train (rank {d.rank})",
                 [
-                    f"no answer from the other processes within trainer.distributed_timeout="
-                    f"{cfg.trainer.distributed_timeout} s ({first_line(exc, 160)}): a process died, hung or "
+                    f"no answer from the other processes within trainer.distributed_timeout_s="
+                    f"{cfg.trainer.distributed_timeout_s} s ({first_line(exc, 160)}): a process died, hung or "
                     "is far slower than the others. The run stopped; resume from its last checkpoint "
                     f"(hydra.run.dir={run_dir} trainer.resume=auto)."
                 ],
@@ -214,7 +214,7 @@ def _join(cfg: DictConfig, d: distributed.Dist, run_dir: Path) -> Path:
         device = resolve_device(cfg.trainer.device)
     except UserError as exc:
         raise RunFailed("grpo-train", [str(exc)]) from exc
-    distributed.join(d, device.type, cfg.trainer.distributed_timeout)
+    distributed.join(d, device.type, cfg.trainer.distributed_timeout_s)
     chosen = Path(d.broadcast(str(run_dir)))
     if chosen.resolve() != run_dir.resolve():
         _remove_if_empty(run_dir)
@@ -273,7 +273,7 @@ def _launch(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: b
     if in_sweep:
         os.environ[_SWEEP_JOB] = "1"  # the workers inherit it
     try:
-        distributed.launch(_entry_command(), args, n, cfg.trainer.distributed_timeout)
+        distributed.launch(_entry_command(), args, n, cfg.trainer.distributed_timeout_s)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         if not in_sweep:

@@ -10,7 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 #: old dotted key -> new dotted key (same section)
-RENAMED = {"sampler.stall_timeout": "sampler.stall_timeout_s"}
+RENAMED = {
+    "sampler.stall_timeout": "sampler.stall_timeout_s",
+    "trainer.distributed_timeout": "trainer.distributed_timeout_s",
+}
 
 
 def apply_renames(cfg: Any) -> list[str]:

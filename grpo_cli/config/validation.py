@@ -69,7 +69,7 @@ POSITIVE_INTS = (
     "trainer.keep_last",
     "trainer.max_bad_steps",
     "trainer.num_processes",
-    "trainer.distributed_timeout",
+    "trainer.distributed_timeout_s",
     "data.num_examples",
     "data.max_operand",
     "adapter.r",
