@@ -65,8 +65,9 @@ def builtin_names(package: str) -> tuple[str, ...]:
 
 
 def is_import_path(name: str) -> bool:
-    """Whether a plug-in name is a user's import path (built-in names have no dot)."""
-    return "." in str(name)
+    """Whether a plug-in name is a user's import path (`pkg.mod`, `mod:ATTR`; built-in names have
+    neither a dot nor a colon)."""
+    return "." in str(name) or ":" in str(name)
 
 
 def load(package: str, name: str, where: str) -> Plugin:

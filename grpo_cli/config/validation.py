@@ -175,7 +175,9 @@ def _loss_problems(lo: Any) -> list[str]:
     try:  # a row of the loss table, or a user's variant by import path, with its own options
         loss.variant(lo.loss_type)
         declared = (
-            plugins.load("grpo_cli.loss", lo.loss_type, "loss.loss_type") if "." in lo.loss_type else None
+            plugins.load("grpo_cli.loss", lo.loss_type, "loss.loss_type")
+            if plugins.is_import_path(lo.loss_type)
+            else None
         )
         if declared is not None:
             plugins.read_options(declared, lo.options, "loss.options")

@@ -9,9 +9,9 @@ data.source=my_pkg.my_data) with a preset in conf/data/:
     file         a local json/jsonl/csv/parquet file (data/file.py)
     hub          a Hugging Face hub dataset (data/hub.py)
 
-What this package asks of it: build(d, seed) -> (training rows, held-out rows), read and
-checked without a tokenizer (d: the data section; its own options are in data.options); check(d)
--> problems; facts: Facts.
+What this package asks of it: build(d, seed, options) -> (training rows, held-out rows), read
+and checked without a tokenizer (d: the data section; options: its own, from data.options, an
+instance of its options dataclass or None); check(d) -> problems; facts: Facts.
 
 Every column other than the prompt column reaches the reward functions as a keyword argument.
 """
@@ -90,7 +90,8 @@ def check_data(d) -> list[str]:
 def read_rows(d, seed: int) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows) of the data section `d`, read and checked without a
     tokenizer, so bad data fails before any model is loaded."""
-    return plugin(d.source).build(d, seed)
+    chosen = plugin(d.source)
+    return chosen.build(d, seed, plugins.read_options(chosen, d.options, "data.options"))
 
 
 def wide_eval_rows(d, seed: int) -> list[dict]:

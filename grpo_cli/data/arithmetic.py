@@ -173,4 +173,9 @@ def wide_rows(d, seed: int) -> list[dict]:
     )
 
 
-PLUGIN = Plugin(name="arithmetic", build=rows, check=check, facts=Facts(wide_eval=wide_rows))
+PLUGIN = Plugin(
+    name="arithmetic",
+    build=lambda d, seed, options: rows(d, seed),
+    check=check,
+    facts=Facts(wide_eval=wide_rows),
+)

@@ -9,7 +9,7 @@ from grpo_cli.plugins import Plugin
 
 PLUGIN = Plugin(
     name="file",
-    build=lambda d, seed: table_rows(d, seed, "file"),
+    build=lambda d, seed, options: table_rows(d, seed, "file"),
     check=needs_path,
     facts=Facts(),
 )

@@ -9,7 +9,7 @@ from grpo_cli.plugins import Plugin
 
 PLUGIN = Plugin(
     name="hub",
-    build=lambda d, seed: table_rows(d, seed, "hub"),
+    build=lambda d, seed, options: table_rows(d, seed, "hub"),
     check=needs_path,
     facts=Facts(),
 )
