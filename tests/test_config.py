@@ -18,7 +18,7 @@ OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml")
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_shipped_option_composes(compose, group, option, monkeypatch):
     if (group, option) == ("sampler", "vllm"):  # its validation looks vLLM up (tests/test_vllm.py runs it)
-        import grpo_cli.samplers.vllm as vllm_backend
+        import grpo_cli.samplers._vllm_checks as vllm_backend
 
         monkeypatch.setattr(vllm_backend, "find_spec", lambda name: object())
     override = f"{group}=[{option}]" if group == "reward" else f"{group}={option}"
@@ -503,7 +503,7 @@ def test_a_checkpoints_config_is_not_held_to_its_runs_trackers_or_ignored_keys(t
 
 @pytest.fixture
 def vllm_installed(monkeypatch):
-    import grpo_cli.samplers.vllm as vllm_backend
+    import grpo_cli.samplers._vllm_checks as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "find_spec", lambda name: object())
 
@@ -530,7 +530,7 @@ def test_what_the_vllm_sampler_cannot_run_is_refused_before_loading(
 
 
 def test_vllm_missing_is_one_paragraph_with_the_install_command(compose, monkeypatch):
-    import grpo_cli.samplers.vllm as vllm_backend
+    import grpo_cli.samplers._vllm_checks as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "find_spec", lambda name: None if name == "vllm" else object())
     problems = validate(compose(["sampler=vllm"]))
