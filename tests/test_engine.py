@@ -219,6 +219,7 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
 
     from grpo_cli.build import build_data, build_wide_eval, read_data, read_wide_eval
     from grpo_cli.config import to_typed
+    from grpo_cli.environments.episodes import RolloutPath
     from grpo_cli.evaluate import evaluate, group_values
     from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
     from grpo_cli.precision import resolve_precision
@@ -232,14 +233,16 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
     model = AutoModelForCausalLM.from_pretrained(build_tiny())
     rewards = [RewardSpec("accuracy", Reward("accuracy", fn=_plus_only), 1.0, role="correctness")]
     fp32 = resolve_precision("fp32", model.device)
-    sampler = build_sampler(
-        cfg.sampler,
-        model,
-        eos_ids=[tok.eos_token_id],
-        pad_id=tok.pad_token_id,
-        precision=fp32,
-        fast_decode=True,
-    )
+    sampler = RolloutPath(
+        build_sampler(
+            cfg.sampler,
+            model,
+            eos_ids=[tok.eos_token_id],
+            pad_id=tok.pad_token_id,
+            precision=fp32,
+            fast_decode=True,
+        )
+    )  # single-turn: no environment's episodes
     kw = dict(group_by="operation")
     groups = group_values(held_out, "operation")
     assert groups == ["minus", "plus", "times"]

@@ -13,8 +13,9 @@ conf/sampler/. The module declares what the package asks of it:
     validate(cfg, world_size) -> list[str]   its keys' values, what it cannot run with, its install
     build(cfg, policy, *, eos_ids, pad_id, precision, fast_decode, seed, tokenizer) -> Sampler
 
-An environment's episodes (environments.episodes.Episodes) wrap the chosen sampler; `draw` is how
-training and evaluation ask for a batch's rollout either way.
+Every draw is an episode (environments.episodes.run_episodes): without an environment, one turn,
+the sampler's plain `generate` call; with one, turn after turn through the sampler's `session`
+(samplers/_session.py: Session, the Turn settings, and the default session, Reprefill).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import importlib
 import pkgutil
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
+
+from grpo_cli.samplers._session import Reprefill, Session, Turn  # noqa: F401 (the interface's parts)
 
 if TYPE_CHECKING:
     from grpo_cli.rollout import Rollout
@@ -68,6 +71,16 @@ class Sampler(Protocol):
         processed log-probs), and the trainer replays the same truncation on its own logits to
         compare with it (logprobs.TokenScores.behaviour): the mismatch metric and the TIS weights
         then measure numerics alone, in every setting."""
+
+    def session(self, prompts: list[list[int]], num_generations: int) -> Session:
+        """How this sampler continues sequences turn after turn (an environment's episodes): a
+        samplers.Session over `num_generations` rows of each prompt, whose first turn draws what
+        generate(prompts, seeds=..., num_generations=...) draws and whose later turns continue each
+        row from its exact token sequence so far. Every backend defines it. The default, for a
+        sampler with no cache to keep: `return Reprefill(self, prompts, num_generations)` (each
+        later turn calls generate on the whole sequences again, one completion per row). The
+        built-in sampler returns its KV-cache Session (only the new tokens are fed); both draw the
+        same tokens (tests/test_environments.py)."""
 
     def sync(self, policy) -> None:
         """Called after every optimizer step that changed the policy's weights: a sampler holding
@@ -143,21 +156,4 @@ def build_sampler(
         fast_decode=fast_decode,
         seed=seed,
         tokenizer=tokenizer,
-    )
-
-
-def draw(sampler, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:
-    """The rollout of a batch of data.Example: an environment's episodes when the sampler runs
-    them (environments.episodes.Episodes), else num_generations completions of each prompt."""
-    episodes = getattr(sampler, "episodes", None)
-    if episodes is not None:
-        return episodes(
-            examples, seeds=seeds, num_generations=num_generations, greedy=greedy, ignore_eos=ignore_eos
-        )
-    return sampler.generate(
-        [ex.prompt_ids for ex in examples],
-        seeds=seeds,
-        num_generations=num_generations,
-        greedy=greedy,
-        ignore_eos=ignore_eos,
     )
