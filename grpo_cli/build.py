@@ -31,7 +31,7 @@ from grpo_cli.data import (
 )
 from grpo_cli.data import plugin as data_source
 from grpo_cli.distributed import Dist, shard_model, wrap_scorer
-from grpo_cli.environments.episodes import with_environment
+from grpo_cli.environments.episodes import environment_episodes
 from grpo_cli.errors import UserError, first_line
 from grpo_cli.evaluate import check_group_by
 from grpo_cli.logprobs import TokenLogprobs
@@ -193,13 +193,21 @@ class Parts:
     dist: Dist  # this process's place among the ranks
 
 
-def build_rollouts(
-    cfg: Config, model, tokenizer, rewards: Rewards, *, precision, device, d: Dist | None = None, stream=None
-) -> Rollouts:
-    """The sampler of sampler.backend over `model` (an environment's episodes around it when one
-    is configured) and the rewards, opened on `device`: what grpo-train and grpo-eval draw and
-    score with. `d`: this process's rank (None: grpo-eval, one process); `stream`: the training
-    prompts (None: grpo-eval)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where the rollouts' parts run: the precision, the device, this process's rank (None:
+    grpo-eval, one process)."""
+
+    precision: Precision
+    device: Any
+    dist: Dist | None = None
+
+
+def build_rollouts(cfg: Config, model, tokenizer, rewards: Rewards, at: Placement, stream=None) -> Rollouts:
+    """The sampler of sampler.backend over `model`, the configured environment's episodes (None
+    without one) and the rewards, opened on at.device: what grpo-train and grpo-eval draw and
+    score with. `stream`: the training prompts (None: grpo-eval)."""
+    precision, device, d = at.precision, at.device, at.dist
     eos_ids = eos_token_ids(tokenizer, model)
     context = SamplerContext(
         policy=model,
@@ -211,15 +219,15 @@ def build_rollouts(
         tokenizer=tokenizer,
     )
     sampler = build_sampler(cfg.sampler, context)
-    sampler = with_environment(
-        sampler, cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
-    )
-    try:  # the rewards that have a build (a reward model) load here, once per process
+    try:  # the environment's tools are checked, and the rewards that have a build load, once per process
+        episodes = environment_episodes(
+            cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
+        )
         rewards.open(device, d, dtype=precision.frozen_dtype)
     except BaseException:
         sampler.close()
         raise
-    return Rollouts(cfg, sampler, rewards, tokenizer, stream, d or Dist(), device)
+    return Rollouts(cfg, sampler, episodes, rewards, tokenizer, stream, d or Dist(), device)
 
 
 def _resume_state(cfg: Config, run_dir: Path, fsdp: bool):
@@ -241,7 +249,7 @@ def _resume_state(cfg: Config, run_dir: Path, fsdp: bool):
     return resume_from, ckpt.load_training_state(resume_from), changed
 
 
-def _optimizer_step(cfg: Config, policy, masters, device, precision: Precision, state, total_steps: int, d):
+def _optimizer_step(cfg: Config, policy, masters, at: Placement, state, total_steps: int):
     """AdamW over the trainable weights (bf16: their fp32 masters) and its schedule, fp16's grad
     scaler (its state restored on resume), as one optim.OptimizerStep."""
     import torch
@@ -251,7 +259,7 @@ def _optimizer_step(cfg: Config, policy, masters, device, precision: Precision, 
         cfg.optimizer,
         total_updates=total_steps * cfg.trainer.num_iterations,
     )
-    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    scaler = torch.amp.GradScaler(at.device.type) if at.precision.use_grad_scaler else None
     if scaler is not None and state.grad_scaler:
         scaler.load_state_dict(state.grad_scaler)
     return OptimizerStep(
@@ -261,7 +269,7 @@ def _optimizer_step(cfg: Config, policy, masters, device, precision: Precision, 
         masters=masters,
         grad_scaler=scaler,
         max_grad_norm=cfg.optimizer.max_grad_norm,
-        dist=d,
+        dist=at.dist,
     )
 
 
@@ -417,7 +425,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         )
     ref = _reference(cfg, policy, source, device, precision, fsdp)
 
-    opt_step = _optimizer_step(cfg, policy, masters, device, precision, state, total_steps, d)
+    at = Placement(precision, device, d)
+    opt_step = _optimizer_step(cfg, policy, masters, at, state, total_steps)
     stream = PromptStream(data.train, seed=t.seed)
     if loaded:
         _restore(resume_from, loaded, changed, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
@@ -436,9 +445,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         cfg, policy, ref, wrap_scorer(scorer, d, device), opt_step, precision, fast_paths, d, device
     )
     return Parts(
-        rollouts=build_rollouts(
-            cfg, policy, tokenizer, rewards, precision=precision, device=device, d=d, stream=stream
-        ),
+        rollouts=build_rollouts(cfg, policy, tokenizer, rewards, at, stream),
         learner=learner,
         eval_examples=data.eval,
         wide_eval_examples=wide_eval,

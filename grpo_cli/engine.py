@@ -330,7 +330,7 @@ def _completion_records(
     n = min(limit, batch.rewards.shape[0])
     r = batch.rollout
     texts = decode_completions(tokenizer, r.completion_ids[:n], r.attention_mask[:n])
-    if r.roles is not None:  # an episode: every turn, with who wrote it
+    if r.is_episode:  # every turn, with who wrote it
         texts = [
             " ".join(f"[{m['role']}] {m['content']}" for m in conversation(tokenizer, ids, roles))
             for ids, roles in zip(r.completion_ids[:n], r.roles[:n])

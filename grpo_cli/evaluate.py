@@ -9,16 +9,15 @@ from dataclasses import replace
 import torch
 
 from grpo_cli.data import Example
-from grpo_cli.environments.episodes import episode_metrics
+from grpo_cli.environments.episodes import RolloutPath, episode_metrics
 from grpo_cli.errors import UserError
 from grpo_cli.rewards import correctness, score
 from grpo_cli.rollout import select as select_rollout
-from grpo_cli.samplers import draw
 from grpo_cli.scored import Scored, concat
 
 
 def grade(
-    sampler,
+    path: RolloutPath,
     tokenizer,
     examples: list[Example],
     rewards,
@@ -27,14 +26,14 @@ def grade(
     greedy: bool = True,
     prompts_per_call: int = 32,
 ) -> Scored | None:
-    """Each example's `num_generations` completions from `sampler` (a samplers.Sampler; greedy:
-    argmax), `prompts_per_call` prompts to one generate call, scored by `rewards` into one record
+    """Each example's `num_generations` completions (or episodes) drawn by `path` (its sampler's
+    settings, or greedy: argmax), `prompts_per_call` prompts to one draw, scored by `rewards` into one record
     (scored.Scored: rows in example order, prompt_index into `examples`); None without examples."""
     parts, G = [], num_generations
-    with sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
+    with path.sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
-            scored = score(rewards, tokenizer, chunk, draw(sampler, chunk, num_generations=G, greedy=greedy))
+            scored = score(rewards, tokenizer, chunk, path.draw(chunk, num_generations=G, greedy=greedy))
             parts.append(replace(scored, prompt_index=scored.prompt_index + start))
     return concat(parts, tokenizer.pad_token_id) if parts else None
 
@@ -42,7 +41,7 @@ def grade(
 def env_means(graded: Scored | None) -> tuple[list[str], list[float]]:
     """An environment's episode metrics (environments.episodes.episode_metrics), each prompt's
     mean over its group, summed over the prompts: (their names, the sums). Nothing for single-turn."""
-    if graded is None or graded.rollout.episode_stats is None:
+    if graded is None or not graded.rollout.is_episode:
         return [], []
     G = graded.num_generations
     per_prompt = [
@@ -54,7 +53,7 @@ def env_means(graded: Scored | None) -> tuple[list[str], list[float]]:
 
 
 def evaluate(
-    sampler,
+    path: RolloutPath,
     tokenizer,
     examples: list[Example],
     rewards,
@@ -68,12 +67,12 @@ def evaluate(
     """`eval/reward` (weighted total) and `eval/accuracy` (the accuracy rule, Scored.accuracy:
     the share of the rows the correctness reward applies to that pass; only when a correctness
     reward is configured: rewards.correctness) over the examples, one greedy completion each
-    from `sampler` (a samplers.Sampler), `batch_size` prompts at a time.
+    drawn by `path`, `batch_size` prompts at a time.
     With `group_by` (a column) also `eval/accuracy/<value>` for each value in `groups` (the
     same list on every process). `prefix` names the set (eval, eval_wide).
     reduce: sums a list of floats over the processes that evaluate a shard each
     (distributed.Dist.sum): the means are then over every shard."""
-    graded = grade(sampler, tokenizer, examples, rewards, prompts_per_call=batch_size)
+    graded = grade(path, tokenizer, examples, rewards, prompts_per_call=batch_size)
     judged = correctness(rewards) is not None
     totals = graded.totals.tolist() if graded is not None else []
     passed, counted = graded.accuracy() if graded is not None else (0, 0)

@@ -13,6 +13,7 @@ from typing import Any
 from grpo_cli import step as phases
 from grpo_cli.config import Config
 from grpo_cli.distributed import Dist
+from grpo_cli.environments.episodes import Episodes, RolloutPath
 from grpo_cli.evaluate import evaluate, grade
 from grpo_cli.optim import OptimizerStep
 from grpo_cli.precision import Precision
@@ -23,16 +24,22 @@ from grpo_cli.scored import Scored
 
 @dataclass
 class Rollouts:
-    """Prompts -> scored rollouts: the sampler (an environment's episodes included), the rewards
-    (opened), the tokenizer, the training prompts' stream (None for grpo-eval)."""
+    """Prompts -> scored rollouts: the sampler, an environment's episodes on it (None: one turn
+    each), the rewards (opened), the tokenizer, the training prompts' stream (None for grpo-eval)."""
 
     cfg: Config
     sampler: Sampler
+    episodes: Episodes | None
     rewards: Rewards
     tokenizer: Any
     stream: Any
     dist: Dist
     device: Any
+
+    @property
+    def path(self) -> RolloutPath:
+        """What draws the rollouts: the one path (environments.episodes.run_episodes)."""
+        return RolloutPath(self.sampler, self.episodes)
 
     def draw(self, step: int) -> phases.Sampled:
         """The step's groups, sampled and scored (step.sample_and_score)."""
@@ -41,7 +48,7 @@ class Rollouts:
     def grade(self, examples: list, num_generations: int = 1, greedy: bool = True) -> Scored | None:
         """Held-out prompts, G completions each, scored (evaluate.grade; 64 completions a call)."""
         return grade(
-            self.sampler,
+            self.path,
             self.tokenizer,
             examples,
             self.rewards,
@@ -53,7 +60,7 @@ class Rollouts:
     def evaluate(self, examples: list, prefix: str, groups: list[str]) -> dict[str, float]:
         """grpo-train's eval/ metrics of this rank's share of a held-out set (evaluate.evaluate)."""
         return evaluate(
-            self.sampler,
+            self.path,
             self.tokenizer,
             examples,
             self.rewards,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from grpo_cli.logprobs import padding_bounds
 
-_COMPLETION_COLUMNS = ("completion_ids", "attention_mask", "trained_mask", "sampler_logps")
+_COMPLETION_COLUMNS = ("completion_ids", "attention_mask", "trained_mask", "sampler_logps", "roles")
 
 #: Who wrote a completion-side token (Rollout.roles): the policy, or an environment's reply, inline
 #: in the policy's own message (a tool result) or as a message of its own (tool, user).
@@ -37,7 +37,8 @@ ROLE_NAMES = {code: name for name, code in ROLE_CODES.items()}
 
 @dataclass(frozen=True)
 class Rollout:
-    """Sampled completions, G per prompt, never changed once built (samplers.Sampler.generate)."""
+    """Sampled completions, G per prompt, never changed once built: by a sampler's generate
+    (single_turn) or an environment's episodes (environments.episodes)."""
 
     num_generations: int  # G: the rows come in groups of G consecutive rows that share one prompt
     prompt_ids: torch.Tensor  # [N, P] left-padded, N = prompts * G
@@ -49,10 +50,11 @@ class Rollout:
     # [N, C] fp32: each sampled token's log-prob under the distribution it was drawn from (the
     # samplers' contract, samplers.Sampler); 0 where trained_mask is 0.
     sampler_logps: torch.Tensor
-    # Multi-turn episodes only (environments.episodes), None for single-turn rollouts:
-    roles: torch.Tensor | None = None  # [N, C] long: who wrote each token (ROLE_CODES)
-    episode_stats: torch.Tensor | None = None  # [N, S] float: environments.episodes.STAT_COLUMNS
-    env_reward: torch.Tensor | None = None  # [N] float: the environment's own reward, NaN for none
+    roles: torch.Tensor  # [N, C] long: who wrote each token (ROLE_CODES); padding 0
+    # [N, S] float: an environment's counters per episode (environments.episodes.STAT_COLUMNS);
+    # S = 0 for a single-turn draw, which has none (is_episode).
+    episode_stats: torch.Tensor
+    env_reward: torch.Tensor  # [N] float: the environment's own reward, NaN for none
 
     def __post_init__(self):
         N, C = self.completion_ids.shape
@@ -61,12 +63,17 @@ class Rollout:
         for name in _COMPLETION_COLUMNS:
             if tuple(getattr(self, name).shape) != (N, C):
                 raise ValueError(f"Rollout.{name} is {tuple(getattr(self, name).shape)}, expected {(N, C)}")
-        if self.roles is not None and tuple(self.roles.shape) != (N, C):
-            raise ValueError(f"Rollout.roles is {tuple(self.roles.shape)}, expected {(N, C)}")
+        if self.episode_stats.shape[0] != N or tuple(self.env_reward.shape) != (N,):
+            raise ValueError(f"Rollout: episode_stats and env_reward must have the {N} rows")
         if bool((self.trained_mask.bool() & ~self.attention_mask.bool()).any()):
             raise ValueError(
                 "Rollout: a trained token must be attended to (trained_mask within attention_mask)"
             )
+
+    @property
+    def is_episode(self) -> bool:
+        """Drawn as an environment's episodes (they carry its counters), not one completion per row."""
+        return self.episode_stats.shape[1] > 0
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -80,6 +87,46 @@ class Rollout:
     def to(self, device) -> Rollout:
         """The rollout with every tensor on `device` (gathered across processes on the CPU)."""
         return _map_tensors(self, lambda t: t.to(device))
+
+
+def single_turn(
+    num_generations: int,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    truncated: torch.Tensor,
+    sampler_logps: torch.Tensor,
+) -> Rollout:
+    """A sampler's rollout, one completion per row: every attended token sampled by the policy
+    (trained_mask = attention_mask = mask, every role the assistant's), no environment counters
+    (episode_stats [N, 0]), no environment reward (NaN)."""
+    N, device = completion_ids.shape[0], completion_ids.device
+    return Rollout(
+        num_generations=num_generations,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        attention_mask=mask,
+        trained_mask=mask,
+        truncated=truncated,
+        sampler_logps=sampler_logps,
+        roles=mask * ROLE_CODES["assistant"],
+        episode_stats=torch.zeros((N, 0), device=device),
+        env_reward=torch.full((N,), float("nan"), device=device),
+    )
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences as [B, W] ids and mask, left-padded with pad_id (a rollout's prompt side)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
 
 
 def _map_tensors(record, fn, **changes):
@@ -110,6 +157,8 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
     G = {r.num_generations for r in rollouts}
     if len(G) != 1:
         raise ValueError(f"concat: rollouts of different num_generations {sorted(G)}")
+    if len({r.episode_stats.shape[1] for r in rollouts}) != 1:
+        raise ValueError("concat: single-turn rollouts and episodes (or episodes of different counters)")
     P = max(r.prompt_ids.shape[1] for r in rollouts)
     C = max(r.completion_ids.shape[1] for r in rollouts)
 
@@ -128,32 +177,10 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         trained_mask=torch.cat([pad(r.trained_mask, C, 0, False) for r in rollouts]),
         truncated=torch.cat([r.truncated for r in rollouts]),
         sampler_logps=torch.cat([pad(r.sampler_logps, C, 0.0, False) for r in rollouts]),
-        **_concat_episodes(rollouts, C),
+        roles=torch.cat([pad(r.roles, C, ROLE_CODES["padding"], False) for r in rollouts]),
+        episode_stats=torch.cat([r.episode_stats for r in rollouts]),
+        env_reward=torch.cat([r.env_reward for r in rollouts]),
     )
-
-
-def _concat_episodes(rollouts: list[Rollout], C: int) -> dict:
-    """The multi-turn fields of concat: present when any part has them (a single-turn part: every
-    token the assistant's, no stats, no environment reward)."""
-    if all(r.roles is None for r in rollouts):
-        return {}
-    width = max(r.episode_stats.shape[1] for r in rollouts if r.episode_stats is not None)
-    roles, stats, reward = [], [], []
-    for r in rollouts:
-        N = r.completion_ids.shape[0]
-        role = r.roles if r.roles is not None else r.attention_mask * ROLE_CODES["assistant"]
-        roles.append(F.pad(role, (0, C - role.shape[1]), value=0))
-        stats.append(
-            r.episode_stats
-            if r.episode_stats is not None
-            else torch.zeros(N, width, device=r.completion_ids.device)
-        )
-        reward.append(
-            r.env_reward
-            if r.env_reward is not None
-            else torch.full((N,), float("nan"), device=r.completion_ids.device)
-        )
-    return {"roles": torch.cat(roles), "episode_stats": torch.cat(stats), "env_reward": torch.cat(reward)}
 
 
 @dataclass(frozen=True)
@@ -187,6 +214,5 @@ class Batch:
             prompt_ids=r.prompt_ids[:, first:],  # [n, P']
             prompt_mask=r.prompt_mask[:, first:],
             **{name: getattr(r, name)[:, :used] for name in _COMPLETION_COLUMNS},  # [n, C']
-            roles=None if r.roles is None else r.roles[:, :used],
         )
         return replace(sub, rollout=r, loss_mask=sub.loss_mask[:, :used])

@@ -22,6 +22,7 @@ from grpo_cli import selfcheck
 from grpo_cli.adapters import disabled_adapters
 from grpo_cli.config import LossConfig, SamplerConfig
 from grpo_cli.distributed import Dist, gradient_sync, is_sharded, prompt_seed, shard
+from grpo_cli.environments.episodes import RolloutPath
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
     group_advantages,
@@ -37,7 +38,6 @@ from grpo_cli.precision import Precision, autocast
 from grpo_cli.rewards import Rewards, score
 from grpo_cli.rewards.scoring import TrainerProgress
 from grpo_cli.rollout import Batch
-from grpo_cli.samplers import Sampler, draw
 from grpo_cli.scored import Scored, merge_rank_counters
 from grpo_cli.scored import concat as concat_scored
 from grpo_cli.scored import select as select_scored
@@ -103,7 +103,7 @@ def sample_and_score(step: int, rollouts) -> Sampled:
             [batch[i] for i in mine],
             [len(examples) + i for i in mine],
             context=_Context(
-                rollouts.sampler, rollouts.rewards, rollouts.tokenizer, dist, cfg.sampler, t.seed, progress
+                rollouts.path, rollouts.rewards, rollouts.tokenizer, dist, cfg.sampler, t.seed, progress
             ),
             seconds=seconds,
         )
@@ -137,7 +137,7 @@ def sample_and_score(step: int, rollouts) -> Sampled:
 class _Context:
     """What sampling and scoring a rank's prompts reads (the step's fixed parts)."""
 
-    sampler: Sampler
+    path: RolloutPath
     rewards: Rewards
     tokenizer: object
     dist: Dist
@@ -168,10 +168,9 @@ def _sample_groups(
             if not c.dist.any(bool(pending)):
                 break
         tick = time.perf_counter()
-        with c.sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
+        with c.path.sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
             if pending:
-                rollout = draw(
-                    c.sampler,
+                rollout = c.path.draw(
                     [examples[j] for j in pending],
                     seeds=[prompt_seed(c.seed, step, indices[j], round) for j in pending],
                     num_generations=G,

@@ -63,26 +63,15 @@ def episode(sampler, prompts, G, k, T, reply, *, session: bool):
     N = len(prompts) * G
     with sampler.sampling():
         if session:
+            from grpo_cli.samplers import Turn
+
             s = sampler.session(prompts, G)
-            s.turn(
-                list(range(N)),
-                [[]] * N,
-                seeds=seeds,
-                greedy=False,
-                ignore_eos=True,
-                max_new_tokens=T,
-                stop=None,
-            )
-            for turn in range(1, k):
-                s.turn(
-                    list(range(N)),
-                    [reply] * N,
-                    seeds=[turn * 1000 + n for n in range(N)],
-                    greedy=False,
-                    ignore_eos=True,
-                    max_new_tokens=T,
-                    stop=None,
-                )
+            rows, histories = list(range(N)), [[] for _ in range(N)]
+            for turn in range(k):
+                turn_seeds = seeds if turn == 0 else [turn * 1000 + n for n in range(N)]
+                how = Turn(turn_seeds, greedy=False, ignore_eos=True, max_new_tokens=T, stop=[])
+                drawn = s.turn(rows, histories, how)
+                histories = [h + tokens + reply for h, (tokens, _) in zip(histories, drawn)]
             return
         r = sampler.generate(prompts, seeds=seeds, num_generations=G, ignore_eos=True, max_new_tokens=T)
         histories = [list(p) for p in prompts for _ in range(G)]

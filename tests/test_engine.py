@@ -219,6 +219,7 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
 
     from grpo_cli.build import build_data, build_wide_eval, read_data, read_wide_eval
     from grpo_cli.config import to_typed
+    from grpo_cli.environments.episodes import RolloutPath
     from grpo_cli.evaluate import evaluate, group_values
     from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
     from grpo_cli.precision import resolve_precision
@@ -235,7 +236,7 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
     context = Context(
         model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, precision=fp32, fast_decode=True
     )
-    sampler = build_sampler(cfg.sampler, context)
+    sampler = RolloutPath(build_sampler(cfg.sampler, context))  # single-turn: no environment's episodes
     kw = dict(group_by="operation")
     groups = group_values(held_out, "operation")
     assert groups == ["minus", "plus", "times"]

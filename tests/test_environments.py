@@ -19,14 +19,16 @@ from grpo_cli.config.schema import DataConfig, EnvironmentConfig
 from grpo_cli.data import Example
 from grpo_cli.environments import Reply, ToolEnv, environment_factory
 from grpo_cli.environments.calculator import calc, evaluate
-from grpo_cli.environments.episodes import Episodes, episode_metrics, turn_seed
+from grpo_cli.environments.episodes import Episodes, RolloutPath, episode_metrics, turn_seed
+from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
 from grpo_cli.precision import resolve_precision
 from grpo_cli.rewards import conversation
-from grpo_cli.rollout import ROLE_CODES, Rollout
-from grpo_cli.samplers.builtin import BuiltinSampler, left_pad
+from grpo_cli.rollout import ROLE_CODES, left_pad, single_turn
+from grpo_cli.samplers import Reprefill
+from grpo_cli.samplers.builtin import BuiltinSampler
 
 # ----------------------------------------------------------------------------- the calculator
 
@@ -161,16 +163,20 @@ class ScriptedSampler:
         for n, r in enumerate(rows):
             ids[n, : len(r)], mask[n, : len(r)] = torch.tensor(r), 1
         pids, pmask = left_pad(prompts, self.tok.pad_token_id, "cpu")
-        return Rollout(
-            num_generations=num_generations,
-            prompt_ids=pids.repeat_interleave(num_generations, 0),
-            prompt_mask=pmask.repeat_interleave(num_generations, 0),
-            completion_ids=ids,
-            attention_mask=mask,
-            trained_mask=mask,
-            truncated=torch.zeros(len(rows), dtype=torch.bool),
-            sampler_logps=torch.zeros(ids.shape),
+        G = num_generations
+        truncated = torch.zeros(len(rows), dtype=torch.bool)
+        return single_turn(
+            G,
+            pids.repeat_interleave(G, 0),
+            pmask.repeat_interleave(G, 0),
+            ids,
+            mask,
+            truncated,
+            torch.zeros(ids.shape),
         )
+
+    def session(self, prompts, num_generations):
+        return Reprefill(self, prompts, num_generations)
 
     def sync(self, policy):
         pass
@@ -197,17 +203,15 @@ def _examples(tok, questions=("What is 2 plus 3?", "What is 4 minus 1?"), answer
     return out
 
 
-def _episodes(sampler, tok, cfg: EnvironmentConfig, max_new_tokens=24) -> Episodes:
-    return Episodes(
-        sampler,
-        environment_factory(cfg),
-        cfg,
-        tokenizer=tok,
-        eos_ids=[tok.eos_token_id],
-        pad_id=tok.pad_token_id,
-        max_new_tokens=max_new_tokens,
-        data=DataConfig(),
+def _episodes(sampler, tok, cfg: EnvironmentConfig, max_new_tokens=24) -> RolloutPath:
+    """The environment's episodes on `sampler` (draw: environments.episodes.run_episodes)."""
+    rendering = Rendering(
+        tok, [tok.eos_token_id], data=DataConfig(), describe=cfg.fn or f"tools [{', '.join(cfg.tools)}]"
     )
+    episodes = Episodes(
+        environment_factory(cfg), cfg, rendering, pad_id=tok.pad_token_id, max_new_tokens=max_new_tokens
+    )
+    return RolloutPath(sampler, episodes)
 
 
 def test_tool_output_is_attended_and_never_trained(tiny_model, monkeypatch):
@@ -220,7 +224,7 @@ def test_tool_output_is_attended_and_never_trained(tiny_model, monkeypatch):
     model, tok = tiny_model
     cfg = EnvironmentConfig(tools=["test_environments:sentinel"])
     sampler = ScriptedSampler(tok, ["<sentinel>1+1</sentinel>junk", "5</s>"], reply_marker=SENTINEL)
-    r = _episodes(sampler, tok, cfg).episodes(_examples(tok), seeds=[1, 2], num_generations=2)
+    r = _episodes(sampler, tok, cfg).draw(_examples(tok), seeds=[1, 2], num_generations=2)
     assert sampler.calls[0]["stop"] == ["</sentinel>"]
     assert r.roles is not None and r.num_generations == 2
     for n in range(4):
@@ -264,7 +268,7 @@ def test_a_second_turn_joins_the_sampled_tokens_as_the_template_would_render_the
     cfg = EnvironmentConfig(fn="grpo_cli.environments.feedback:Feedback", max_turns=2, max_reply_tokens=128)
     sampler = ScriptedSampler(tok, ["7</s>", "5</s>"], reply_marker="Try again")
     examples = _examples(tok)
-    r = _episodes(sampler, tok, cfg).episodes(examples[:1], seeds=[3], num_generations=2)
+    r = _episodes(sampler, tok, cfg).draw(examples[:1], seeds=[3], num_generations=2)
     ids = torch.cat(
         [r.prompt_ids[0][r.prompt_mask[0].bool()], r.completion_ids[0][r.attention_mask[0].bool()]]
     )
@@ -287,7 +291,7 @@ def test_a_second_turn_joins_the_sampled_tokens_as_the_template_would_render_the
     assert conversation(tok, r.completion_ids[0], r.roles[0])[1]["content"] == TRY_AGAIN
     # Out of turns while still wrong: the episode ends (counted), not truncated, reward 0.
     wrong = ScriptedSampler(tok, ["7</s>", "8</s>"], reply_marker="Try again")
-    r = _episodes(wrong, tok, cfg).episodes(examples[:1], seeds=[3], num_generations=2)
+    r = _episodes(wrong, tok, cfg).draw(examples[:1], seeds=[3], num_generations=2)
     assert r.env_reward.tolist() == [0.0, 0.0] and not r.truncated.any()
     assert episode_metrics(r)["env/out_of_turns"] == 1.0
 
@@ -301,18 +305,18 @@ def test_budgets_cut_turns_and_replies_and_mark_the_episode_truncated(tiny_model
         tok,
         EnvironmentConfig(tools=["test_environments:sentinel"]),
         max_new_tokens=10,
-    ).episodes(_examples(tok)[:1], seeds=[0], num_generations=2)
+    ).draw(_examples(tok)[:1], seeds=[0], num_generations=2)
     assert r.truncated.all() and int(r.attention_mask[0].sum()) == 10
     # A reply longer than max_reply_tokens: cut there and counted.
     cfg = EnvironmentConfig(tools=["test_environments:sentinel"], max_reply_tokens=5, max_turns=2)
-    r = _episodes(ScriptedSampler(tok, script, "<resu"), tok, cfg).episodes(
+    r = _episodes(ScriptedSampler(tok, script, "<resu"), tok, cfg).draw(
         _examples(tok)[:1], seeds=[0], num_generations=2
     )
     env = r.attention_mask[0].bool() & ~r.trained_mask[0].bool()
     assert tok.decode(r.completion_ids[0][env]) == "<resu" and episode_metrics(r)["env/replies_cut"] == 1.0
     # The episode's budget: no room for the model after the reply -> truncated.
     cfg = EnvironmentConfig(tools=["test_environments:sentinel"], max_episode_tokens=30)
-    r = _episodes(ScriptedSampler(tok, script, SENTINEL), tok, cfg).episodes(
+    r = _episodes(ScriptedSampler(tok, script, SENTINEL), tok, cfg).draw(
         _examples(tok)[:1], seeds=[0], num_generations=2
     )
     assert r.truncated.all() and int(r.attention_mask.sum(-1).max()) <= 30
@@ -345,14 +349,14 @@ def test_an_environment_that_raises_is_one_paragraph_or_a_masked_episode(tiny_mo
         match=r"environment test_environments:Raising: step\(text\) raised RuntimeError: "
         r"the environment broke \(episode 0 of the prompt .*on_error=mask",
     ):
-        _episodes(ScriptedSampler(tok, script, "%%"), tok, cfg).episodes(
+        _episodes(ScriptedSampler(tok, script, "%%"), tok, cfg).draw(
             _examples(tok), seeds=[0, 1], num_generations=2
         )
     with pytest.raises(UserError, match="step\\(\\) returned int 42 .* must return a Reply, a str"):
         _episodes(
             ScriptedSampler(tok, script, "%%"), tok, EnvironmentConfig(fn="test_environments:WrongType")
-        ).episodes(_examples(tok), seeds=[0, 1], num_generations=2)
-    r = _episodes(ScriptedSampler(tok, script, "%%"), tok, replace(cfg, on_error="mask")).episodes(
+        ).draw(_examples(tok), seeds=[0, 1], num_generations=2)
+    r = _episodes(ScriptedSampler(tok, script, "%%"), tok, replace(cfg, on_error="mask")).draw(
         _examples(tok), seeds=[0, 1], num_generations=2
     )
     assert int(r.trained_mask.sum()) == 0 and int(r.attention_mask.sum()) > 0
@@ -393,8 +397,8 @@ def test_episodes_depend_on_their_prompt_seed_alone(tiny_model):
     )
     cfg = EnvironmentConfig(fn="test_environments:Echo", max_turns=3)
     ex = _examples(tok)
-    both = _episodes(s, tok, cfg, max_new_tokens=6).episodes(ex, seeds=[11, 12], num_generations=3)
-    alone = _episodes(s, tok, cfg, max_new_tokens=6).episodes(ex[1:], seeds=[12], num_generations=3)
+    both = _episodes(s, tok, cfg, max_new_tokens=6).draw(ex, seeds=[11, 12], num_generations=3)
+    alone = _episodes(s, tok, cfg, max_new_tokens=6).draw(ex[1:], seeds=[12], num_generations=3)
     C = alone.completion_ids.shape[1]
     assert torch.equal(both.completion_ids[3:, :C], alone.completion_ids)
     assert torch.equal(both.trained_mask[3:, :C], alone.trained_mask)
@@ -450,7 +454,8 @@ def test_grpo_train_runs_an_environment_preset(tmp_path, preset):
 
 
 class _NoSession:
-    """The built-in sampler seen as any other sampler: no session, the history given again."""
+    """The built-in sampler seen as any other sampler: the default session (Reprefill), the
+    history given again every turn."""
 
     def __init__(self, sampler):
         self.inner, self.tolerance = sampler, sampler.tolerance
@@ -460,6 +465,9 @@ class _NoSession:
 
     def generate(self, prompts, **kw):
         return self.inner.generate(prompts, **kw)
+
+    def session(self, prompts, num_generations):
+        return Reprefill(self, prompts, num_generations)
 
 
 def test_the_kv_cache_kept_across_turns_samples_what_the_whole_history_does(tiny_model):
@@ -480,10 +488,10 @@ def test_the_kv_cache_kept_across_turns_samples_what_the_whole_history_does(tiny
     cfg = EnvironmentConfig(fn="test_environments:Echo", max_turns=4)
     ex = _examples(tok)
     for greedy in (False, True):
-        kept = _episodes(s, tok, cfg, max_new_tokens=6).episodes(
+        kept = _episodes(s, tok, cfg, max_new_tokens=6).draw(
             ex, seeds=[5, 6], num_generations=3, greedy=greedy
         )
-        again = _episodes(_NoSession(s), tok, cfg, max_new_tokens=6).episodes(
+        again = _episodes(_NoSession(s), tok, cfg, max_new_tokens=6).draw(
             ex, seeds=[5, 6], num_generations=3, greedy=greedy
         )
         assert torch.equal(kept.completion_ids, again.completion_ids)
@@ -570,7 +578,7 @@ def test_the_native_tool_protocol_on_a_template_that_renders_tools(tiny_model):
 
     from grpo_cli.config.schema import Config
     from grpo_cli.environments import tool_schema
-    from grpo_cli.environments.episodes import with_environment
+    from grpo_cli.environments.episodes import environment_episodes
 
     _, tok = tiny_model
     tok = copy.deepcopy(tok)
@@ -578,7 +586,7 @@ def test_the_native_tool_protocol_on_a_template_that_renders_tools(tiny_model):
     cfg = EnvironmentConfig(tools=["test_environments:sentinel"], protocol="native", max_reply_tokens=128)
     call = '<tool_call>{"name": "sentinel", "arguments": {"expression": "1+1"}}</tool_call>'
     sampler = ScriptedSampler(tok, [call + "</s>", "5</s>"], reply_marker=SENTINEL)
-    r = _episodes(sampler, tok, cfg, max_new_tokens=128).episodes(
+    r = _episodes(sampler, tok, cfg, max_new_tokens=128).draw(
         _examples(tok)[:1], seeds=[0], num_generations=2
     )
     assert sampler.calls[0]["stop"] == []  # the model ends its own turn
@@ -601,14 +609,55 @@ def test_the_native_tool_protocol_on_a_template_that_renders_tools(tiny_model):
     assert episode_metrics(r)["env/tool_calls"] == 1.0 and episode_metrics(r)["env/tool_errors"] == 0.0
     # A call that does not parse, or names no tool: an error the model reads, not the run's.
     bad = ScriptedSampler(tok, ["<tool_call>{not json}</tool_call></s>", "5</s>"], reply_marker="error")
-    r = _episodes(bad, tok, cfg, max_new_tokens=128).episodes(
-        _examples(tok)[:1], seeds=[0], num_generations=2
-    )
+    r = _episodes(bad, tok, cfg, max_new_tokens=128).draw(_examples(tok)[:1], seeds=[0], num_generations=2)
     assert episode_metrics(r)["env/tool_errors"] == 1.0 and episode_metrics(r)["env/turns"] == 2.0
     # SmolLM2-like templates (role and content only) cannot carry it: refused.
     whole = Config()
     whole.environment = cfg
     with pytest.raises(UserError, match="does not render tools .* environment.protocol=tag"):
-        with_environment(sampler, whole, tokenizer=tiny_model[1], eos_ids=[2], pad_id=0)
+        environment_episodes(whole, tokenizer=tiny_model[1], eos_ids=[2], pad_id=0)
     tok.chat_template = TOOLS_TEMPLATE
-    assert with_environment(sampler, whole, tokenizer=tok, eos_ids=[2], pad_id=0) is not sampler
+    assert environment_episodes(whole, tokenizer=tok, eos_ids=[2], pad_id=0) is not None
+
+
+def test_the_default_session_draws_what_the_built_in_kv_cache_session_draws(tiny_model):
+    """samplers.Reprefill (each later turn gives the whole sequence again: any sampler's default)
+    and the built-in sampler's Session (its KV cache kept, only the new tokens fed) draw the same
+    tokens and log-probs for the same seeds, turn after turn; turn 0 is the plain generate call.
+    A single-turn rollout carries its roles: every attended token the assistant's."""
+    from grpo_cli.config.schema import SamplerConfig
+    from grpo_cli.samplers import Turn
+
+    model, tok = tiny_model
+    s = BuiltinSampler(
+        SamplerConfig(max_new_tokens=5),
+        model,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        precision=resolve_precision("fp32", torch.device("cpu")),
+        fast_decode=True,
+        tokenizer=tok,
+    )
+    prompts, G = [ex.prompt_ids for ex in _examples(tok)], 2
+    reply = tok("<|user|>Go on.</s>\n<|assistant|>", add_special_tokens=False)["input_ids"]
+    kv, again = s.session(prompts, G), Reprefill(s, prompts, G)
+    histories = {name: [[] for _ in range(len(prompts) * G)] for name in ("kv", "again")}
+    rows = list(range(len(prompts) * G))
+    for turn in range(3):
+        seeds = [7, 8] if turn == 0 else [turn_seed(7 + n // G, n % G, turn) for n in rows]
+        how = Turn(seeds, greedy=False, ignore_eos=True, max_new_tokens=5, stop=[])
+        a = kv.turn(rows, histories["kv"], how)
+        b = again.turn(rows, histories["again"], how)
+        assert [t for t, _ in a] == [t for t, _ in b]
+        for (_, la), (_, lb) in zip(a, b):
+            assert torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-5)
+        for name, drawn in (("kv", a), ("again", b)):
+            for n, (tokens, _) in enumerate(drawn):
+                histories[name][n] += tokens + reply
+        if turn == 0:
+            single = s.generate(prompts, seeds=[7, 8], num_generations=G, ignore_eos=True)
+            assert [t for t, _ in a] == [
+                row[m.bool()].tolist() for row, m in zip(single.completion_ids, single.attention_mask)
+            ]
+            assert torch.equal(single.roles, single.attention_mask * ROLE_CODES["assistant"])
+            assert not single.is_episode and single.env_reward.isnan().all()

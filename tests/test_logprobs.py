@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from grpo_cli import logprobs as logprobs_mod
 from grpo_cli.logprobs import filter_logits, padding_bounds, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.rollout import Batch, Rollout
+from grpo_cli.rollout import Batch, Rollout, single_turn
 from grpo_cli.samplers.builtin import draw, left_pad, sample
 
 
@@ -145,15 +145,8 @@ def test_micro_batch_rows_drop_all_pad_columns_only(tiny):
     p_mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), p_mask], 1)
     c_ids = torch.cat([c_ids, torch.full((2, 4), tok.pad_token_id)], 1)
     c_mask = torch.cat([c_mask, torch.zeros(2, 4, dtype=torch.long)], 1)
-    rollout = Rollout(
-        1,
-        p_ids,
-        p_mask,
-        c_ids,
-        c_mask,
-        c_mask.clone(),
-        torch.zeros(2, dtype=torch.bool),
-        torch.zeros(c_ids.shape),
+    rollout = single_turn(
+        1, p_ids, p_mask, c_ids, c_mask, torch.zeros(2, dtype=torch.bool), torch.zeros(c_ids.shape)
     )
     batch = Batch(
         rollout,
@@ -176,10 +169,18 @@ def test_rollout_refuses_a_trained_token_that_is_not_attended_and_rows_that_are_
     ids = torch.zeros(4, 3, dtype=torch.long)
     attended = torch.tensor([[1, 1, 0]] * 4)
     args = (ids, torch.ones(4, 2, dtype=torch.long), ids, attended)
+    rest = dict(roles=attended, episode_stats=torch.zeros(4, 0), env_reward=torch.zeros(4))
     with pytest.raises(ValueError, match="trained token must be attended"):
-        Rollout(2, *args, torch.tensor([[1, 1, 1]] * 4), torch.zeros(4, dtype=torch.bool), torch.zeros(4, 3))
+        Rollout(
+            2,
+            *args,
+            torch.tensor([[1, 1, 1]] * 4),
+            torch.zeros(4, dtype=torch.bool),
+            torch.zeros(4, 3),
+            **rest,
+        )
     with pytest.raises(ValueError, match="not groups of num_generations=3"):
-        Rollout(3, *args, attended, torch.zeros(4, dtype=torch.bool), torch.zeros(4, 3))
+        Rollout(3, *args, attended, torch.zeros(4, dtype=torch.bool), torch.zeros(4, 3), **rest)
 
 
 def test_greedy_rollout_matches_generate(tiny):

@@ -188,20 +188,15 @@ def test_a_group_with_a_nan_reward_is_left_out_of_the_loss():
     from conftest import scored_rows
 
     from grpo_cli.config.schema import LossConfig
-    from grpo_cli.rollout import Rollout
+    from grpo_cli.rollout import single_turn
     from grpo_cli.step import Sampled, advantages
 
     G, C = 2, 3
-    rollout = Rollout(
-        prompt_ids=torch.ones(6, 2, dtype=torch.long),
-        prompt_mask=torch.ones(6, 2, dtype=torch.long),
-        completion_ids=torch.ones(6, C, dtype=torch.long),
-        attention_mask=torch.ones(6, C, dtype=torch.long),
-        trained_mask=torch.ones(6, C, dtype=torch.long),
-        sampler_logps=torch.zeros(6, C),
-        truncated=torch.zeros(6, dtype=torch.bool),
-        num_generations=G,
-    )
+    ones = torch.ones(6, C, dtype=torch.long)
+    rollout = single_turn(
+        G, torch.ones(6, 2, dtype=torch.long), torch.ones(6, 2, dtype=torch.long), ones, ones,
+        torch.zeros(6, dtype=torch.bool), torch.zeros(6, C),
+    )  # fmt: skip
     rewards = scored_rows(rollout, [1.0, 0.0, float("nan"), 1.0, 0.0, 1.0])
     batch, (sequences, tokens), signal = advantages(
         Sampled(train=rewards, drawn=rewards), LossConfig(), "cpu"

@@ -6,20 +6,19 @@ import math
 import torch
 from conftest import scored_rows
 
-from grpo_cli.rollout import Rollout
+from grpo_cli.rollout import single_turn
 from grpo_cli.scored import concat, merge_rank_counters, select
 
 
 def _rollout(N, G=2, C=3):
-    return Rollout(
-        prompt_ids=torch.ones(N, 2, dtype=torch.long),
-        prompt_mask=torch.ones(N, 2, dtype=torch.long),
-        completion_ids=torch.arange(N * C).view(N, C),
-        attention_mask=torch.ones(N, C, dtype=torch.long),
-        trained_mask=torch.ones(N, C, dtype=torch.long),
-        sampler_logps=torch.zeros(N, C),
-        truncated=torch.zeros(N, dtype=torch.bool),
-        num_generations=G,
+    return single_turn(
+        G,
+        torch.ones(N, 2, dtype=torch.long),
+        torch.ones(N, 2, dtype=torch.long),
+        torch.arange(N * C).view(N, C),
+        torch.ones(N, C, dtype=torch.long),
+        torch.zeros(N, dtype=torch.bool),
+        torch.zeros(N, C),
     )
 
 

@@ -633,15 +633,15 @@ def test_episodes_on_vllm_draw_what_the_built_in_sampler_draws(policy):
     env = EnvironmentConfig(fn="test_environments:Echo", max_turns=3)
     examples = _examples(tok)
     try:
-        a = _episodes(vllm, tok, env, max_new_tokens=6).episodes(
+        a = _episodes(vllm, tok, env, max_new_tokens=6).draw(
             examples, seeds=None, num_generations=1, greedy=True
         )
-        b = _episodes(builtin, tok, env, max_new_tokens=6).episodes(
+        b = _episodes(builtin, tok, env, max_new_tokens=6).draw(
             examples, seeds=None, num_generations=1, greedy=True
         )
         assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.roles, b.roles)
         assert float(episode_metrics(a)["env/turns"]) > 1
-        r = _episodes(vllm, tok, env, max_new_tokens=6).episodes(examples, seeds=[4, 5], num_generations=4)
+        r = _episodes(vllm, tok, env, max_new_tokens=6).draw(examples, seeds=[4, 5], num_generations=4)
     finally:
         vllm.close()
     env_tokens = r.attention_mask.bool() & ~r.trained_mask.bool()

@@ -31,6 +31,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
 
     from grpo_cli.adapters import check_quantization
     from grpo_cli.build import (
+        Placement,
         build_data,
         build_rollouts,
         build_tokenizer,
@@ -63,7 +64,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
     by = cfg.data.eval_group_by
     check_group_by(by, examples, default=DataConfig().eval_group_by)
     model = load_policy(cfg, source, device, precision, trainable=False)
-    rollouts = build_rollouts(cfg, model, tokenizer, rewards, precision=precision, device=device)
+    rollouts = build_rollouts(cfg, model, tokenizer, rewards, Placement(precision, device))
     try:
         judge = correctness(rewards)
         torch.manual_seed(t.seed)

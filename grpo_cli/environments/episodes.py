@@ -1,11 +1,15 @@
-"""Episodes: a prompt's G multi-turn episodes through any samplers.Sampler, as one Rollout.
+"""Episodes, the one rollout path: run_episodes draws a batch's rollout, a prompt's G episodes
+each, through any samplers.Sampler. Without an environment an episode is one turn, the sampler's
+plain generate call (G completions of each prompt, from the prompt's seed). With one, turn 0 is
+that same draw (the first turn of the sampler's session: samplers.Session), and every later turn
+continues each live episode from its exact token sequence so far (the prompt, the tokens sampled,
+the tokens the environment wrote: nothing is re-rendered), one completion per episode, from a
+seed derived from the prompt's seed, the episode and the turn (turn_seed), so an episode depends
+on its prompt's seed alone, not on the batch, the sampler or the process count.
 
-Turn 0 is the sampler's ordinary call (G completions of each prompt, from the prompt's seed: the
-draws a single-turn run makes). Every later turn continues each live episode from its exact
-token sequence so far (the prompt, the tokens sampled, the tokens the environment wrote: nothing
-is re-rendered), one completion per episode, from a seed derived from the prompt's seed, the
-episode and the turn (turn_seed), so an episode depends on its prompt's seed alone, not on the
-batch, the sampler or the process count.
+How episodes end is declared, not inlined: EpisodeRules (environment.max_turns, max_episode_tokens,
+max_reply_tokens, a turn's budget, and the environment's own stop strings); each turn's Reply says
+whether the episode is done and what to count (tool_call, error).
 
 The rollout's completion side is every turn concatenated: sampled tokens (trained_mask 1, their
 sampler log-probs) and the environment's (attended, trained_mask 0, log-prob 0). Rollout.roles
@@ -15,16 +19,15 @@ says who wrote each token (ROLE_CODES), so the rewards and the logs see the conv
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from grpo_cli.data import format_prompt
 from grpo_cli.environments import Reply, call_with_timeout, fresh_copies
+from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
-from grpo_cli.rollout import ROLE_CODES, Rollout
-from grpo_cli.samplers.builtin import left_pad
+from grpo_cli.rollout import ROLE_CODES, Rollout, left_pad
+from grpo_cli.samplers import Sampler, Turn
 
 #: Per-episode counts on Rollout.episode_stats, in this order.
 STAT_COLUMNS = ("turns", "tool_calls", "tool_errors", "replies_cut", "errors", "out_of_turns")
@@ -36,73 +39,131 @@ def turn_seed(prompt_seed: int, episode: int, turn: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # < 2**62: a valid seed for torch and vLLM
 
 
+def run_episodes(
+    sampler: Sampler,
+    examples: list,
+    episodes: Episodes | None,
+    *,
+    seeds: list[int] | None = None,
+    num_generations: int,
+    greedy: bool = False,
+    ignore_eos: bool = False,
+) -> Rollout:
+    """The rollout of a batch of data.Example, rows grouped by example: `episodes`' (an
+    environment's) when given, else one turn each, the sampler's plain call (num_generations
+    completions of each prompt). seeds: one per example (Sampler.generate's)."""
+    if episodes is None:
+        return sampler.generate(
+            [ex.prompt_ids for ex in examples],
+            seeds=seeds,
+            num_generations=num_generations,
+            greedy=greedy,
+            ignore_eos=ignore_eos,
+        )
+    return episodes.run(
+        sampler, examples, seeds=seeds, num_generations=num_generations, greedy=greedy, ignore_eos=ignore_eos
+    )
+
+
+@dataclass(frozen=True)
+class RolloutPath:
+    """What draws a batch's rollouts (training's, grpo-train's evaluation's, grpo-eval's): the
+    sampler, and an environment's episodes on it (None: one turn each). draw: run_episodes."""
+
+    sampler: Sampler
+    episodes: Episodes | None = None
+
+    def draw(self, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:
+        return run_episodes(
+            self.sampler,
+            examples,
+            self.episodes,
+            seeds=seeds,
+            num_generations=num_generations,
+            greedy=greedy,
+            ignore_eos=ignore_eos,
+        )
+
+
+@dataclass(frozen=True)
+class EpisodeRules:
+    """How an environment's episodes run and end, read by the loop: at most max_turns turns of
+    at most max_new_tokens each; a reply cut at max_reply_tokens (counted); `budget` completion-
+    side tokens in all (a turn or a reply that reaches it truncates the episode); and the strings
+    that end the model's turn besides its end of turn (the environment's `stop`)."""
+
+    max_turns: int
+    max_new_tokens: int
+    max_reply_tokens: int
+    budget: int
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def declared(cls, cfg, max_new_tokens: int, env=None) -> EpisodeRules:
+        """cfg: config.EnvironmentConfig; env: an environment, whose optional `stop` is read."""
+        budget = cfg.max_episode_tokens or cfg.max_turns * (max_new_tokens + cfg.max_reply_tokens)
+        stop = tuple(getattr(env, "stop", None) or ())
+        return cls(cfg.max_turns, max_new_tokens, cfg.max_reply_tokens, budget, stop)
+
+
 @dataclass
 class _Episode:
     env: object
+    example: object  # data.Example
+    index: int  # 0..G-1 among the prompt's episodes
+    failed: bool = False
     ids: list[int] = field(default_factory=list)  # completion side so far
     trained: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     roles: list[int] = field(default_factory=list)
-    reply_start: int = 0  # where the environment's last reply starts in ids
     truncated: bool = False
-    failed: bool = False
     done: bool = False
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_COLUMNS, 0))
 
+    def join(self, ids: list[int], logps: list[float], role: str) -> None:
+        """Tokens onto the completion side: sampled (the assistant's, trained) or written."""
+        sampled = role == "assistant"
+        self.ids += ids
+        self.trained += [int(sampled)] * len(ids)
+        self.logps += logps[: len(ids)] if sampled else [0.0] * len(ids)
+        self.roles += [ROLE_CODES[role]] * len(ids)
+
+
+class _Failed:
+    """An environment call that raised under environment.on_error=mask."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
 
 class Episodes:
-    """A samplers.Sampler that runs an environment's episodes (`episodes`, what samplers.draw
-    calls) on the sampler it wraps; the rest of the interface is that sampler's.
-    cfg: config.EnvironmentConfig."""
+    """An environment's episodes (run), on whatever sampler it is given. factory: makes a fresh
+    environment (environments.environment_factory); cfg: config.EnvironmentConfig; rendering:
+    the episode's text side; max_new_tokens: a turn's budget (sampler.max_new_tokens)."""
 
-    def __init__(self, sampler, factory, cfg, *, tokenizer, eos_ids, pad_id, max_new_tokens, data=None):
-        self.sampler = sampler
-        self.tolerance = sampler.tolerance
+    def __init__(self, factory, cfg, rendering: Rendering, *, pad_id: int, max_new_tokens: int):
         self.factory = factory
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.eos_ids = set(eos_ids)
+        self.rendering = rendering
         self.pad_id = pad_id
         self.max_new_tokens = max_new_tokens
-        self.data = data  # config.DataConfig: the prompt's system prompt and chat template use
-        self.describe = cfg.fn or f"tools [{', '.join(cfg.tools)}]"
-        self.budget = cfg.max_episode_tokens or cfg.max_turns * (max_new_tokens + cfg.max_reply_tokens)
-        self._message_affixes: dict[str, tuple[str, str]] = {}
-        self.seconds = 0.0  # spent in the environment's own code (reset, step, reward)
-
-    # ------------------------------------------------------------------ the Sampler interface
-
-    def sampling(self):
-        return self.sampler.sampling()
-
-    def generate(self, prompts, **kwargs):
-        return self.sampler.generate(prompts, **kwargs)
-
-    def sync(self, policy) -> None:
-        self.sampler.sync(policy)
-
-    def close(self) -> None:
-        self.sampler.close()
 
     # ------------------------------------------------------------------ the environment's calls
 
-    def _call(self, fn, args, what: str, example, episode: int):
-        tick = time.perf_counter()
+    def _call(self, fn, args, what: str, e: _Episode):
         try:
             return call_with_timeout(fn, args, self.cfg.timeout_s, what)
         except Exception as exc:
             if self.cfg.on_error == "mask":
                 return _Failed(exc)
-            prompt = str(example.prompt)
+            prompt = str(e.example.prompt)
             raise UserError(
-                f"environment {self.describe}: {what} raised {type(exc).__name__}: {exc} (episode "
-                f"{episode} of the prompt {prompt[:100]!r}). Fix the environment, or set "
+                f"environment {self.rendering.describe}: {what} raised {type(exc).__name__}: {exc} (episode "
+                f"{e.index} of the prompt {prompt[:100]!r}). Fix the environment, or set "
                 "environment.on_error=mask to leave such an episode out of the loss and go on."
             ) from exc
-        finally:
-            self.seconds += time.perf_counter() - tick
 
-    def _reply(self, value, example, episode: int) -> Reply:
+    def _reply(self, value, e: _Episode) -> Reply:
         if isinstance(value, Reply):
             return value
         if value is None:
@@ -110,190 +171,106 @@ class Episodes:
         if isinstance(value, str):
             return Reply(value)
         raise UserError(
-            f"environment {self.describe}: step() returned {type(value).__name__} {value!r:.80} (episode "
-            f"{episode} of the prompt {str(example.prompt)[:100]!r}); it must return a Reply, a str (the "
-            "reply) or None (the episode is done)."
+            f"environment {self.rendering.describe}: step() returned {type(value).__name__} {value!r:.80} "
+            f"(episode {e.index} of the prompt {str(e.example.prompt)[:100]!r}); it must return a Reply, a "
+            "str (the reply) or None (the episode is done)."
         )
-
-    # ------------------------------------------------------------------ rendering
-
-    def message_affixes(self, role: str) -> tuple[str, str]:
-        """The chat template's text around a `role` message that follows an assistant turn's end
-        of turn, up to the next assistant turn: (before the content, after it)."""
-        if role not in self._message_affixes:
-            t = self.tokenizer
-            eos_text = t.decode([min(self.eos_ids)]) if self.eos_ids else ""
-            marker, answer = "\u2063CONTENT\u2063", "\u2063ANSWER\u2063"
-            convo = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": answer}]
-            text = t.apply_chat_template(
-                convo + [{"role": role, "content": marker}], tokenize=False, add_generation_prompt=True
-            )
-            # After the model's end of turn (its EOS, sampled): the template's text that follows it.
-            # A template that ends a turn without the EOS token: the text after the answer.
-            start, skip = text.find(answer + eos_text), len(answer) + len(eos_text)
-            if start < 0 or not eos_text:
-                start, skip = text.find(answer), len(answer)
-            if start < 0 or marker not in text[start:]:
-                raise UserError(
-                    f"environment {self.describe}: the model's chat template does not render a {role!r} "
-                    "message after an assistant turn (or the end-of-turn token is not where it ends "
-                    "one); reply with role='user', or give the model a chat template that renders it."
-                )
-            after = text[start + skip :]
-            before, _, rest = after.partition(marker)
-            self._message_affixes[role] = (before, rest)
-        return self._message_affixes[role]
-
-    def _reply_tokens(self, reply: Reply, ended_turn: bool) -> list[int]:
-        text = reply.content
-        if ended_turn:  # the model ended its message: the reply is a message of its own
-            before, after = self.message_affixes(reply.role)
-            text = before + text + after
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _cut_at_stop(self, ids: list[int], stop: list[str]) -> tuple[list[int], bool]:
-        """The turn's tokens up to the one that completes a stop string (kept), and whether it did."""
-        if not stop or not any(s in self.tokenizer.decode(ids) for s in stop):
-            return ids, False
-        for j in range(1, len(ids) + 1):
-            if any(s in self.tokenizer.decode(ids[:j]) for s in stop):
-                return ids[:j], True
-        return ids, False
-
-    def _prompt_ids(self, example, messages, tools=None) -> list[int]:
-        if messages is None and not tools:
-            return list(example.prompt_ids)
-        d = self.data
-        text = format_prompt(
-            messages if messages is not None else example.prompt,
-            self.tokenizer,
-            system_prompt=d.system_prompt if d else None,
-            use_chat_template=True,
-            tools=tools,
-        )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------------ the episodes
 
-    def episodes(self, examples, *, seeds, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:
+    def run(self, sampler: Sampler, examples, *, seeds, num_generations: int, greedy=False, ignore_eos=False):
         """The G episodes of each example (data.Example), as one Rollout (rows grouped by example)."""
-        G, cfg, sampler = num_generations, self.cfg, self.sampler
-        episodes, prompts = [], []
-        for ex in examples:
-            env = self._call(self.factory, (), "making the environment", ex, 0)
-            row = {"prompt": ex.prompt, **ex.columns}
-            messages = env if isinstance(env, _Failed) else self._call(env.reset, (row,), "reset(row)", ex, 0)
-            failed = isinstance(messages, _Failed)
-            tools = None if failed else getattr(env, "template_tools", None)
-            prompts.append(self._prompt_ids(ex, None if failed else messages, tools))
-            for copy_ in fresh_copies(env, G) if not failed else [None] * G:
-                episodes.append(_Episode(env=copy_, failed=failed))
-        first = next((e.env for e in episodes if e.env is not None), None)
-        stop = list(getattr(first, "stop", None) or [])
-        # Turn 0: the sampler's plain call, G per prompt from the prompt's seed.
+        G = num_generations
+        episodes, prompts = self._start(examples, G)
+        rules = EpisodeRules.declared(
+            self.cfg, self.max_new_tokens, next((e.env for e in episodes if e.env is not None), None)
+        )
+        session = sampler.session(prompts, G)  # turn 0: the sampler's plain call, G per prompt
         live = list(range(len(episodes)))
-        # The built-in sampler keeps its KV cache across turns (a session); any other sampler
-        # is given each live episode's whole token sequence again.
-        session = sampler.session(prompts, G) if hasattr(sampler, "session") else None
-        for turn in range(cfg.max_turns):
-            room = [self.budget - len(episodes[n].ids) for n in live]
-            width = max(1, min(self.max_new_tokens, max(room)))
-            row_seeds = None
-            if turn and not greedy and seeds is not None:
-                row_seeds = [turn_seed(seeds[n // G], n % G, turn) for n in live]
-            kw = dict(greedy=greedy, ignore_eos=ignore_eos, max_new_tokens=width, stop=stop)
-            if session is not None:
-                appended = [episodes[n].ids[episodes[n].reply_start :] for n in live]
-                out = session.turn(live, appended, seeds=seeds if turn == 0 else row_seeds, **kw)
-                drawn = [(out.tokens[n][out.mask[n].bool()], out.logps[n][out.mask[n].bool()]) for n in live]
-            elif turn == 0:
-                r = sampler.generate(prompts, seeds=seeds, num_generations=G, **kw)
-                drawn = [(r.completion_ids[n][r.attention_mask[n].bool()], r.sampler_logps[n]) for n in live]
-            else:
-                r = sampler.generate(
-                    [prompts[n // G] + episodes[n].ids for n in live],
-                    seeds=row_seeds,
-                    num_generations=1,
-                    **kw,
-                )
-                drawn = [
-                    (r.completion_ids[k][r.attention_mask[k].bool()], r.sampler_logps[k])
-                    for k in range(len(live))
-                ]
-            still = []
-            for k, n in enumerate(live):
-                e = episodes[n]
-                sampled = drawn[k][0].tolist()
-                ids = sampled[: room[k]]
-                logps = drawn[k][1].tolist()
-                ids, stopped = self._cut_at_stop(ids, stop)
-                ended = bool(ids) and ids[-1] in self.eos_ids and not ignore_eos
-                if session is not None and len(ids) < len(sampled) and (ended or stopped):
-                    raise RuntimeError(  # the cache would hold tokens the episode does not
-                        f"episodes: the sampler drew {len(sampled)} tokens past a stop string the episode "
-                        f"ends at {len(ids)}; a stop string longer than 16 tokens is not supported"
-                    )
-                e.ids += ids
-                e.trained += [1] * len(ids)
-                e.logps += logps[: len(ids)]
-                e.roles += [ROLE_CODES["assistant"]] * len(ids)
-                e.stats["turns"] += 1
-                if not (ended or stopped):  # a token budget cut the turn
-                    e.truncated = True
-                    continue
-                if e.failed:
-                    continue
-                ex = examples[n // G]
-                value = self._call(
-                    e.env.step,
-                    (self.tokenizer.decode(ids, skip_special_tokens=True),),
-                    "step(text)",
-                    ex,
-                    n % G,
-                )
-                if isinstance(value, _Failed):
-                    e.failed = True
-                    continue
-                reply = self._reply(value, ex, n % G)
-                e.stats["tool_calls"] += reply.tool_call
-                e.stats["tool_errors"] += reply.error
-                if reply.done or reply.content is None:
-                    e.done = True
-                    continue
-                if turn == cfg.max_turns - 1:
-                    e.stats["out_of_turns"] += 1
-                    continue
-                tokens = self._reply_tokens(reply, ended_turn=ended)
-                if len(tokens) > cfg.max_reply_tokens:
-                    tokens = tokens[: cfg.max_reply_tokens]
-                    e.stats["replies_cut"] += 1
-                if len(e.ids) + len(tokens) >= self.budget:  # no room left for the model to answer
-                    e.truncated = True
-                    continue
-                role = ROLE_CODES["tool" if not ended or reply.role == "tool" else "user"]
-                e.reply_start = len(e.ids)
-                e.ids += tokens
-                e.trained += [0] * len(tokens)
-                e.logps += [0.0] * len(tokens)
-                e.roles += [role] * len(tokens)
-                still.append(n)
-            live = still
+        for turn in range(rules.max_turns):
+            room = [rules.budget - len(episodes[n].ids) for n in live]
+            turn_seeds = seeds
+            if turn:
+                turn_seeds = None
+                if not greedy and seeds is not None:
+                    turn_seeds = [turn_seed(seeds[n // G], n % G, turn) for n in live]
+            width = max(1, min(rules.max_new_tokens, max(room)))
+            how = Turn(turn_seeds, greedy, ignore_eos, width, list(rules.stop))
+            drawn = session.turn(live, [episodes[n].ids for n in live], how)
+            last = turn == rules.max_turns - 1
+            live = [
+                n
+                for k, n in enumerate(live)
+                if self._play(episodes[n], drawn[k], room[k], rules, last=last, ignore_eos=ignore_eos)
+            ]
             if not live:
                 break
-        env_reward = [self._episode_reward(e, examples[n // G], n % G) for n, e in enumerate(episodes)]
+        env_reward = [self._episode_reward(e) for e in episodes]
         return self._rollout(prompts, episodes, G, env_reward)
 
-    def _episode_reward(self, e: _Episode, example, episode: int) -> float:
+    def _start(self, examples, G: int) -> tuple[list[_Episode], list[list[int]]]:
+        """Each example's environment, made and reset once, copied for its G episodes; its prompt."""
+        episodes, prompts = [], []
+        for ex in examples:
+            first = _Episode(env=None, example=ex, index=0)
+            env = self._call(self.factory, (), "making the environment", first)
+            row = {"prompt": ex.prompt, **ex.columns}
+            messages = env if isinstance(env, _Failed) else self._call(env.reset, (row,), "reset(row)", first)
+            failed = isinstance(messages, _Failed)
+            tools = None if failed else getattr(env, "template_tools", None)
+            prompts.append(self.rendering.prompt_ids(ex, None if failed else messages, tools))
+            copies = fresh_copies(env, G) if not failed else [None] * G
+            episodes += [_Episode(env=c, example=ex, index=i, failed=failed) for i, c in enumerate(copies)]
+        return episodes, prompts
+
+    def _play(
+        self, e: _Episode, drawn, room: int, rules: EpisodeRules, *, last: bool, ignore_eos: bool
+    ) -> bool:
+        """A turn's draw joins the episode, the environment answers it (step) and its reply joins
+        it: whether the episode goes on to another turn."""
+        ids, stopped = self.rendering.cut_at_stop(drawn[0][:room], list(rules.stop))
+        ended = bool(ids) and ids[-1] in self.rendering.eos_ids and not ignore_eos
+        e.join(ids, drawn[1], "assistant")
+        e.stats["turns"] += 1
+        if not (ended or stopped):  # a token budget cut the turn
+            e.truncated = True
+            return False
+        if e.failed:
+            return False
+        value = self._call(e.env.step, (self.rendering.text(ids),), "step(text)", e)
+        if isinstance(value, _Failed):
+            e.failed = True
+            return False
+        reply = self._reply(value, e)
+        e.stats["tool_calls"] += reply.tool_call
+        e.stats["tool_errors"] += reply.error
+        if reply.done or reply.content is None:
+            e.done = True
+            return False
+        if last:
+            e.stats["out_of_turns"] += 1
+            return False
+        tokens = self.rendering.reply_tokens(reply, ended_turn=ended)
+        if len(tokens) > rules.max_reply_tokens:
+            tokens = tokens[: rules.max_reply_tokens]
+            e.stats["replies_cut"] += 1
+        if len(e.ids) + len(tokens) >= rules.budget:  # no room left for the model to answer
+            e.truncated = True
+            return False
+        e.join(tokens, [], "tool" if not ended or reply.role == "tool" else "user")
+        return True
+
+    def _episode_reward(self, e: _Episode) -> float:
         fn = getattr(e.env, "reward", None)
         if e.failed or fn is None:
             return float("nan")
-        value = self._call(fn, (), "reward()", example, episode)
+        value = self._call(fn, (), "reward()", e)
         if isinstance(value, _Failed):
             e.failed = True
             return float("nan")
         return float("nan") if value is None else float(value)
 
-    def _rollout(self, prompts, episodes, G: int, env_reward) -> Rollout:
+    def _rollout(self, prompts, episodes: list[_Episode], G: int, env_reward) -> Rollout:
         N = len(episodes)
         C = max(1, max(len(e.ids) for e in episodes))
         ids = torch.full((N, C), self.pad_id, dtype=torch.long)
@@ -325,21 +302,15 @@ class Episodes:
         )
 
 
-class _Failed:
-    """An environment call that raised under environment.on_error=mask."""
-
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-def with_environment(sampler, cfg, *, tokenizer, eos_ids: list[int], pad_id: int):
-    """The sampler itself when cfg (the whole config) has no environment, else Episodes around it."""
+def environment_episodes(cfg, *, tokenizer, eos_ids: list[int], pad_id: int) -> Episodes | None:
+    """The episodes of cfg's (the whole config's) environment, None when it has none (single-turn)."""
     from grpo_cli.environments import environment_factory
 
-    factory = environment_factory(cfg.environment)
+    env = cfg.environment
+    factory = environment_factory(env)
     if factory is None:
-        return sampler
-    if cfg.environment.protocol == "native" and cfg.environment.tools:
+        return None
+    if env.protocol == "native" and env.tools:
         from grpo_cli.environments import renders_tools, tool_schema
 
         schemas = [tool_schema(t) for t in factory().tools.values()]
@@ -349,16 +320,9 @@ def with_environment(sampler, cfg, *, tokenizer, eos_ids: list[int], pad_id: int
                 "renders role and content only); use environment.protocol=tag (a tag the model writes, "
                 "which any template carries), or a model whose template renders tools."
             )
-    return Episodes(
-        sampler,
-        factory,
-        cfg.environment,
-        tokenizer=tokenizer,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        max_new_tokens=cfg.sampler.max_new_tokens,
-        data=cfg.data,
-    )
+    describe = env.fn or f"tools [{', '.join(env.tools)}]"
+    rendering = Rendering(tokenizer, eos_ids, data=cfg.data, describe=describe)
+    return Episodes(factory, env, rendering, pad_id=pad_id, max_new_tokens=cfg.sampler.max_new_tokens)
 
 
 def episode_metrics(rollout: Rollout) -> dict[str, float]:
@@ -367,7 +331,7 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
     once (tool_call_rate), that a token budget ended (truncated), that ran out of turns, that
     failed (environment.on_error=mask) or had a reply cut; the share of completion-side tokens
     the environment wrote."""
-    if rollout.episode_stats is None:
+    if not rollout.is_episode:
         return {}
     stats = rollout.episode_stats.float()  # [N, S]
     col = {name: stats[:, i] for i, name in enumerate(STAT_COLUMNS)}

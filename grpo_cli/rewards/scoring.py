@@ -381,7 +381,7 @@ def score_examples(
     completion_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.attention_mask)
     ]
-    if rollout.roles is None:
+    if not rollout.is_episode:
         completions = [as_reward_input(prompt, text) for prompt, text in zip(prompts, texts)]
     else:  # an environment's episodes: the whole conversation (TRL's conversational completions)
         completions = [
@@ -389,7 +389,7 @@ def score_examples(
             for prompt, text, ids, roles in zip(prompts, texts, rollout.completion_ids, rollout.roles)
         ]
     env_reward = None
-    if rollout.env_reward is not None:
+    if rollout.is_episode:
         env_reward = [None if math.isnan(v) else v for v in rollout.env_reward.tolist()]
     total, per_reward = score_rewards(
         rewards,

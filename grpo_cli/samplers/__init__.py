@@ -17,8 +17,9 @@ module of this package is named by its file; a user's is chosen by import path,
                                       flat SamplerConfig keys only it reads (validation rejects
                                       them under the other backends)
 
-An environment's episodes wrap the chosen sampler; `draw` is how training and evaluation ask for
-a batch's rollout either way.
+Every draw is an episode (environments.episodes.run_episodes): without an environment, one turn,
+the sampler's plain `generate` call; with one, turn after turn through the sampler's `session`
+(samplers/_session.py: Session, the Turn settings, and the default session, Reprefill).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from grpo_cli import plugins
 from grpo_cli.errors import UserError
 from grpo_cli.plugins import Plugin
+from grpo_cli.samplers._session import Reprefill, Session, Turn  # noqa: F401 (the interface's parts)
 
 if TYPE_CHECKING:
     from grpo_cli.rollout import Rollout
@@ -109,6 +111,16 @@ class Sampler(Protocol):
         processed log-probs), and the trainer replays the same truncation on its own logits to
         compare with it (logprobs.TokenScores.behaviour): the mismatch metric and the TIS weights
         then measure numerics alone, in every setting."""
+
+    def session(self, prompts: list[list[int]], num_generations: int) -> Session:
+        """How this sampler continues sequences turn after turn (an environment's episodes): a
+        samplers.Session over `num_generations` rows of each prompt, whose first turn draws what
+        generate(prompts, seeds=..., num_generations=...) draws and whose later turns continue each
+        row from its exact token sequence so far. Every backend defines it. The default, for a
+        sampler with no cache to keep: `return Reprefill(self, prompts, num_generations)` (each
+        later turn calls generate on the whole sequences again, one completion per row). The
+        built-in sampler returns its KV-cache Session (only the new tokens are fed); both draw the
+        same tokens (tests/test_environments.py)."""
 
     def sync(self, policy) -> None:
         """Called after every optimizer step that changed the policy's weights: a sampler holding
@@ -193,20 +205,3 @@ def build_sampler(cfg, context: Context) -> Sampler:
     chosen = plugin(cfg.backend)
     options = plugins.read_options(chosen, cfg.options, "sampler.options")
     return chosen.build(cfg, dataclasses.replace(context, options=options))
-
-
-def draw(sampler, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:
-    """The rollout of a batch of data.Example: an environment's episodes when the sampler runs
-    them (environments.episodes.Episodes), else num_generations completions of each prompt."""
-    episodes = getattr(sampler, "episodes", None)
-    if episodes is not None:
-        return episodes(
-            examples, seeds=seeds, num_generations=num_generations, greedy=greedy, ignore_eos=ignore_eos
-        )
-    return sampler.generate(
-        [ex.prompt_ids for ex in examples],
-        seeds=seeds,
-        num_generations=num_generations,
-        greedy=greedy,
-        ignore_eos=ignore_eos,
-    )

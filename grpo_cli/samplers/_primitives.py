@@ -14,17 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_cli.logprobs import prefill
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids.to(device), mask.to(device)
+from grpo_cli.rollout import left_pad
 
 
 def _few_rows_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

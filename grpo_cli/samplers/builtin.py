@@ -15,6 +15,7 @@ CPU decode linears (few_rows_linears). It samples from the policy itself, so its
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from grpo_cli.distributed import full_weights
 from grpo_cli.logprobs import filter_logits, model_logits
 from grpo_cli.plugins import Plugin
 from grpo_cli.precision import Precision, autocast
-from grpo_cli.rollout import Rollout
+from grpo_cli.rollout import Rollout, single_turn
 from grpo_cli.samplers import Facts
 
 # The low-level parts live in samplers/_primitives.py. Re-imported here: other modules and tests
@@ -41,6 +42,7 @@ from grpo_cli.samplers._primitives import (  # noqa: F401
     left_pad,
     sampling_cdf,
 )
+from grpo_cli.samplers._session import Drawn, Turn
 
 # Its declared tolerance of |trainer - sampler| log-prob over valid tokens, (mean, max), per
 # precision: the step-0 self-check's bounds (ref 000.8). The sampler decodes with a KV cache and
@@ -145,8 +147,24 @@ class BuiltinSampler:
             )
 
     def session(self, prompts: list[list[int]], num_generations: int) -> Session:
-        """Multi-turn episodes with the KV cache kept across turns (environments.episodes)."""
+        """Sequences continued turn after turn with the KV cache kept across turns (an
+        environment's episodes): only the new tokens are fed, never the history again."""
         return Session(self, prompts, num_generations)
+
+    def _decoding(self, greedy: bool, ignore_eos: bool, stop: list[str] | None, device) -> Decoding:
+        s = self.cfg
+        return Decoding(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            eos=torch.tensor(
+                [] if ignore_eos else sorted(set(self.eos_ids)), dtype=torch.long, device=device
+            ),
+            pad_id=self.pad_id,
+            greedy=greedy,
+            fast_decode=self.fast_decode,
+            stopped=self._stopped(stop),
+        )
 
     def _stopped(self, stop: list[str] | None):
         """[N, t] tokens so far -> [N] bool: rows whose text now holds a stop string (None: none)."""
@@ -167,26 +185,31 @@ class BuiltinSampler:
         """Nothing to free: the policy is the trainer's."""
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How a decode call draws: the tempered, top-k then top-p truncated distribution (or argmax
+    when greedy), the end-of-sequence ids (a tensor, may be empty), the padding id, the CPU
+    decode linears (fast_decode), and `stopped` (tokens so far [N, t] -> [N] bool: rows a stop
+    string ends; None: none)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    eos: torch.Tensor
+    pad_id: int
+    greedy: bool
+    fast_decode: bool
+    stopped: object = None
+
+
 def _decode(
-    model,
-    state: _DecodeState,
-    *,
-    live: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    eos: torch.Tensor,
-    pad_id: int,
-    greedy: bool,
-    generator,
-    uniforms,
-    fast_decode: bool,
-    stopped,
+    model, state: _DecodeState, how: Decoding, *, live: torch.Tensor, max_new_tokens: int, generator, uniforms
 ) -> _Decoded:
     """Draw up to max_new_tokens for the `live` rows [N] bool from state.logits, feeding each
     drawn token but the last into state's KV cache (a row's tokens after its end are masked out
     of the cache). Rows not live draw nothing."""
+    temperature, top_p, top_k, eos, pad_id = how.temperature, how.top_p, how.top_k, how.eos, how.pad_id
+    greedy, fast_decode, stopped = how.greedy, how.fast_decode, how.stopped
     device, N = state.logits.device, state.logits.shape[0]
     tokens, logps = [], []
     finished = ~live  # [N]
@@ -284,113 +307,113 @@ def sample(
     uniforms = None  # [max_new_tokens, N]: row n's uniform at each decode step
     if seeds is not None and not greedy:
         uniforms = _uniforms(seeds, num_generations, max_new_tokens, device)
-    out = _decode(
-        model,
-        state,
-        live=torch.ones(prompt_ids.shape[0], dtype=torch.bool, device=device),
-        max_new_tokens=max_new_tokens,
+    how = Decoding(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         eos=torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device),  # may be empty
         pad_id=pad_id,
         greedy=greedy,
-        generator=generator,
-        uniforms=uniforms,
         fast_decode=fast_decode,
         stopped=stopped,
     )
-    return Rollout(
-        num_generations=num_generations,
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=out.tokens,
-        attention_mask=out.mask,
-        trained_mask=out.mask,  # every token of a completion was sampled
-        truncated=out.truncated,
-        sampler_logps=out.logps,
+    live = torch.ones(prompt_ids.shape[0], dtype=torch.bool, device=device)
+    out = _decode(
+        model, state, how, live=live, max_new_tokens=max_new_tokens, generator=generator, uniforms=uniforms
+    )
+    return single_turn(
+        num_generations, prompt_ids, prompt_mask, out.tokens, out.mask, out.truncated, out.logps
     )
 
 
 class Session:
-    """A batch of multi-turn episodes on the built-in sampler, its KV cache kept across turns:
-    a later turn feeds only what is new (the last token drawn, the environment's reply), never
-    the history again. Rows: the prompts' G episodes, grouped by prompt."""
+    """samplers.Session on the built-in sampler, its KV cache kept across turns: a later turn
+    feeds only what is new (the last token drawn, then what joined each row's history since),
+    never the history again. Rows: the prompts' G sequences, grouped by prompt."""
 
     def __init__(self, sampler: BuiltinSampler, prompts: list[list[int]], num_generations: int):
         self.sampler, self.G, self.B = sampler, num_generations, len(prompts)
         with sampler.sampling(), torch.no_grad():
             self.state, _, _ = _prefilled(sampler.policy, prompts, num_generations, sampler.pad_id)
         self.turns = 0
+        N = self.B * num_generations
+        self.drawn: list[list[int]] = [[] for _ in range(N)]  # each row's tokens drawn last turn
+        self.seen = [0] * N  # each row's completion-side tokens in the cache (or pending)
+
+    def _appended(self, rows: list[int], histories: list[list[int]]) -> list[list[int]]:
+        """Each row's history past what the cache holds; it must start with the tokens drawn."""
+        out = []
+        for n, history in zip(rows, histories):
+            start = self.seen[n] - len(self.drawn[n])
+            if list(history[start : self.seen[n]]) != self.drawn[n]:
+                raise RuntimeError(  # the cache would hold tokens the sequence does not
+                    f"Session: row {n}'s history does not keep the {len(self.drawn[n])} tokens drawn "
+                    "last turn (cut at a stop string?); a stop string longer than 16 tokens is not supported"
+                )
+            out.append(list(history[self.seen[n] :]))
+        return out
 
     @torch.no_grad()
-    def turn(
-        self,
-        rows: list[int],
-        appended: list[list[int]],
-        *,
-        seeds: list[int] | None,
-        greedy: bool,
-        ignore_eos: bool,
-        max_new_tokens: int,
-        stop: list[str] | None,
-    ) -> _Decoded:
-        """The next turn of `rows` (every row on the first turn), after feeding each row's
-        `appended` tokens (the environment's reply). seeds: on the first turn one per prompt, then
-        one per row. Returns the decoded turn over all rows ([N, C], rows not given masked)."""
+    def turn(self, rows: list[int], histories: list[list[int]], how: Turn) -> list[Drawn]:
         sp, st = self.sampler, self.state
         device, N = st.logits.device, st.logits.shape[0]
         live = torch.zeros(N, dtype=torch.bool, device=device)
         live[rows] = True
         with sp.sampling():
-            chunks = [[] for _ in range(N)]
-            for n, extra in zip(rows, appended):
-                chunks[n] = ([int(st.pending[n])] if bool(st.has_pending[n]) else []) + list(extra)
-            st.has_pending = st.has_pending & ~live
-            W = max(len(c) for c in chunks)
-            if W:  # left-padded, so every fed row's last column is its last token
-                ids = torch.full((N, W), sp.pad_id, dtype=torch.long)
-                mask = torch.zeros((N, W), dtype=torch.long)
-                for n, c in enumerate(chunks):
-                    if c:
-                        ids[n, W - len(c) :], mask[n, W - len(c) :] = torch.tensor(c), 1
-                st.attention_mask = torch.cat([st.attention_mask, mask.to(device)], dim=1)
-                positions = (st.attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]
-                logits = model_logits(
-                    sp.policy,
-                    input_ids=ids.to(device),
-                    attention_mask=st.attention_mask,
-                    position_ids=positions,
-                    past_key_values=st.cache,
-                    use_cache=True,
-                )[:, -1, :]
-                fed = mask[:, -1].bool().to(device)
-                st.logits = torch.where(fed[:, None], logits.to(st.logits.dtype), st.logits)
+            self._feed(rows, self._appended(rows, histories), live)
             uniforms = None
-            if seeds is not None and not greedy:
+            if how.seeds is not None and not how.greedy:
                 if self.turns == 0:
-                    uniforms = _uniforms(seeds, self.G, max_new_tokens, device)
+                    uniforms = _uniforms(how.seeds, self.G, how.max_new_tokens, device)
                 else:
-                    uniforms = torch.zeros((max_new_tokens, N), dtype=torch.float64, device=device)
-                    uniforms[:, rows] = _uniforms(seeds, 1, max_new_tokens, device)
-            s = sp.cfg
+                    uniforms = torch.zeros((how.max_new_tokens, N), dtype=torch.float64, device=device)
+                    uniforms[:, rows] = _uniforms(how.seeds, 1, how.max_new_tokens, device)
+            decoding = sp._decoding(how.greedy, how.ignore_eos, how.stop, device)
             out = _decode(
                 sp.policy,
                 st,
+                decoding,
                 live=live,
-                max_new_tokens=max_new_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                eos=torch.tensor(
-                    [] if ignore_eos else sorted(set(sp.eos_ids)), dtype=torch.long, device=device
-                ),
-                pad_id=sp.pad_id,
-                greedy=greedy,
+                max_new_tokens=how.max_new_tokens,
                 generator=None,
                 uniforms=uniforms,
-                fast_decode=sp.fast_decode,
-                stopped=sp._stopped(stop),
             )
         self.turns += 1
-        return out
+        drawn = []
+        for n, history in zip(rows, histories):
+            kept = out.mask[n].bool()
+            tokens, logps = out.tokens[n][kept].tolist(), out.logps[n][kept].tolist()
+            self.drawn[n], self.seen[n] = tokens, len(history) + len(tokens)
+            drawn.append((tokens, logps))
+        return drawn
+
+    def _feed(self, rows: list[int], appended: list[list[int]], live: torch.Tensor) -> None:
+        """Into the cache: each row's pending token (drawn last, not yet fed) and its new tokens."""
+        sp, st = self.sampler, self.state
+        device, N = st.logits.device, st.logits.shape[0]
+        chunks = [[] for _ in range(N)]
+        for n, extra in zip(rows, appended):
+            chunks[n] = ([int(st.pending[n])] if bool(st.has_pending[n]) else []) + list(extra)
+        st.has_pending = st.has_pending & ~live
+        W = max(len(c) for c in chunks)
+        if not W:
+            return
+        ids = torch.full(
+            (N, W), sp.pad_id, dtype=torch.long
+        )  # left-padded: a row's last column is its last token
+        mask = torch.zeros((N, W), dtype=torch.long)
+        for n, c in enumerate(chunks):
+            if c:
+                ids[n, W - len(c) :], mask[n, W - len(c) :] = torch.tensor(c), 1
+        st.attention_mask = torch.cat([st.attention_mask, mask.to(device)], dim=1)
+        positions = (st.attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]
+        logits = model_logits(
+            sp.policy,
+            input_ids=ids.to(device),
+            attention_mask=st.attention_mask,
+            position_ids=positions,
+            past_key_values=st.cache,
+            use_cache=True,
+        )[:, -1, :]
+        fed = mask[:, -1].bool().to(device)
+        st.logits = torch.where(fed[:, None], logits.to(st.logits.dtype), st.logits)

@@ -33,10 +33,10 @@ import torch
 
 from grpo_cli.errors import EXIT_USER_ERROR, UserError
 from grpo_cli.plugins import Plugin
-from grpo_cli.rollout import Rollout
+from grpo_cli.rollout import Rollout, left_pad, single_turn
 from grpo_cli.samplers import Facts
+from grpo_cli.samplers._session import Reprefill, Session
 from grpo_cli.samplers._vllm_checks import check, install_command
-from grpo_cli.samplers.builtin import left_pad
 
 # vLLM versions this sampler drives: the APIs it calls (in-place reload_weights through
 # collective_rpc, logprobs_mode, kv_cache_memory_bytes) are those of the tested 0.32.
@@ -384,16 +384,14 @@ class VLLMSampler:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, "cpu")
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
-        return Rollout(
-            num_generations=num_generations,
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=ids,
-            attention_mask=mask,
-            trained_mask=mask,  # every token of a completion was sampled
-            truncated=truncated,
-            sampler_logps=lp.nan_to_num(neginf=-1e4) * mask,
-        ).to(self.device)
+        logps = lp.nan_to_num(neginf=-1e4) * mask
+        return single_turn(num_generations, prompt_ids, prompt_mask, ids, mask, truncated, logps).to(
+            self.device
+        )
+
+    def session(self, prompts: list[list[int]], num_generations: int) -> Session:
+        """Episodes' later turns from each whole sequence again (the engine's prefix cache reuses it)."""
+        return Reprefill(self, prompts, num_generations)
 
     def sync(self, policy) -> None:
         """Stream the policy's weights into the engine in place, then reset its prefix cache (the
