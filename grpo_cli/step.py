@@ -24,6 +24,8 @@ from grpo_cli.config import LossConfig, SamplerConfig
 from grpo_cli.distributed import Dist, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.logprobs import token_logprobs
 from grpo_cli.loss import (
+    Counts,
+    LossBatch,
     group_advantages,
     grpo_loss,
     has_learning_signal,
@@ -444,21 +446,17 @@ def update(
                     check = ctx.self_check.micro_batch(mismatch, r, check)
             else:
                 old = old_logps[rows, :C]
-            loss, stats = grpo_loss(
-                logps,
+            loss_batch = LossBatch(
                 old,
-                None if ctx.ref_logps is None else ctx.ref_logps[rows, :C],
                 mb.advantages,
                 mb.loss_mask,
-                cfg=lo,
+                ref_logps=None if ctx.ref_logps is None else ctx.ref_logps[rows, :C],
                 zero_std_flags=mb.zero_std,
                 group_std=mb.group_std,
-                num_sequences=ctx.norms[0],
-                num_tokens=ctx.norms[1],
-                max_new_tokens=max_new_tokens,
-                num_generations=r.num_generations,
                 importance_weights=None if is_weights is None else is_weights[rows, :C],
+                num_generations=r.num_generations,
             )
+            loss, stats = grpo_loss(logps, loss_batch, cfg=lo, counts=Counts(*ctx.norms, max_new_tokens))
             with gradient_sync(scorer, sync):
                 opt.backward(loss)
             loss_total += float(loss.detach())

@@ -97,11 +97,11 @@ def _update(model, r: Rollout, garbage: float, monkeypatch):
     calls = []
     real = step.grpo_loss
 
-    def spy(logps, old, ref, adv, mask, **kw):
+    def spy(logps, batch, **kw):
         leaf = logps.detach().requires_grad_(True)  # the same loss, on a leaf: its gradient per token
-        calls.append({"logps": leaf, "loss": real(leaf, old, ref, adv, mask, **kw)[0], "mask": mask})
-        calls[-1]["weights"] = kw["importance_weights"]
-        return real(logps, old, ref, adv, mask, **kw)
+        calls.append({"logps": leaf, "loss": real(leaf, batch, **kw)[0], "mask": batch.mask})
+        calls[-1]["weights"] = batch.importance_weights
+        return real(logps, batch, **kw)
 
     monkeypatch.setattr(step, "grpo_loss", spy)
     model.zero_grad()
