@@ -227,10 +227,8 @@ def test_decode_fast_path_and_shared_prompt_forward_match_the_plain_paths_with_a
 
     assert not any(True for _ in _patch_counts.keys())  # every layer unpatched afterwards
     r = _rollout(model, tok)
-    shared = token_logprobs(
-        model, *r.inputs(), temperature=1.0, num_generations=r.num_generations, shared_prompt=True
-    )
-    full = token_logprobs(model, *r.inputs(), temperature=1.0, shared_prompt=False)
+    shared = token_logprobs(model, *r.inputs(), temperature=1.0, num_generations=r.num_generations)
+    full = token_logprobs(model, *r.inputs(), temperature=1.0)  # one row per group: no prompt shared
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=0)
     torch.testing.assert_close(full * r.trained_mask, r.sampler_logps, atol=1e-5, rtol=0)
 
