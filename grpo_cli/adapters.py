@@ -18,6 +18,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from grpo_cli.config import AdapterConfig
 from grpo_cli.errors import UserError, first_line
 
 ADAPTERS = ("none", "lora")
@@ -154,21 +155,14 @@ def check_target_modules(model, target_modules: list[str]) -> None:
         )
 
 
-def add_lora(
-    model,
-    *,
-    r: int,
-    alpha: float,
-    dropout: float,
-    target_modules: list[str],
-    init: str,
-    quantized: bool = False,
-    gradient_checkpointing: bool = False,
-):
-    """Fresh LoRA adapters on `model` (a loaded transformers model, its weights then frozen).
-    Adapter weights are fp32 whatever the base's dtype (PEFT's autocast_adapter_dtype)."""
+def add_lora(model, adapter: AdapterConfig, *, quantized: bool = False, gradient_checkpointing: bool = False):
+    """Fresh LoRA adapters on `model` (a loaded transformers model, its weights then frozen), as
+    the adapter section says (r, alpha, dropout, target_modules, init). Adapter weights are fp32
+    whatever the base's dtype (PEFT's autocast_adapter_dtype)."""
     from peft import LoraConfig, get_peft_model
 
+    r, alpha, dropout, init = adapter.r, adapter.alpha, adapter.dropout, adapter.init
+    target_modules = list(adapter.target_modules)
     check_target_modules(model, target_modules)
     if quantized:
         model = _prepare_quantized(model, gradient_checkpointing)

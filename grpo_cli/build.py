@@ -13,7 +13,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import OmegaConf
 
@@ -163,16 +163,7 @@ def load_policy(
     if saved:
         model = load_lora(base, saved, trainable=trainable, quantized=quantized, gradient_checkpointing=gc)
     else:
-        model = add_lora(
-            base,
-            r=a.r,
-            alpha=a.alpha,
-            dropout=a.dropout,
-            target_modules=list(a.target_modules),
-            init=a.init,
-            quantized=quantized,
-            gradient_checkpointing=gc,
-        )
+        model = add_lora(base, a, quantized=quantized, gradient_checkpointing=gc)
     if not trainable:
         model.eval()
     return model
@@ -230,11 +221,19 @@ def build_rollouts(cfg: Config, model, tokenizer, rewards: Rewards, at: Placemen
     return Rollouts(cfg, sampler, episodes, rewards, tokenizer, stream, d or Dist(), device)
 
 
-def _resume_state(cfg: Config, run_dir: Path, fsdp: bool):
-    """(the checkpoint to resume, its loaded training state, the settings that differ from it's),
-    all None/[] without trainer.resume; refuses a checkpoint of the other distributed mode."""
+class _Resume(NamedTuple):
+    """The checkpoint a run resumes from (None without trainer.resume), its loaded training state
+    (checkpoint.load_training_state's; None) and the settings that differ from its run's ([])."""
+
+    path: Path | None
+    loaded: Any
+    changed: list[str]
+
+
+def _resume_state(cfg: Config, run_dir: Path, fsdp: bool) -> _Resume:
+    """The _Resume of trainer.resume; refuses a checkpoint of the other distributed mode."""
     if not cfg.trainer.resume:
-        return None, None, []
+        return _Resume(None, None, [])
     resume_from = ckpt.find_resume_checkpoint(cfg.trainer.resume, run_dir)
     if ckpt.is_sharded_checkpoint(resume_from) != fsdp:
         written, now = ("fsdp", "ddp") if not fsdp else ("ddp (or one process)", "fsdp")
@@ -246,22 +245,27 @@ def _resume_state(cfg: Config, run_dir: Path, fsdp: bool):
             + ", or start a new run from its weights (model.name_or_path=<the checkpoint folder>)."
         )
     changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
-    return resume_from, ckpt.load_training_state(resume_from), changed
+    return _Resume(resume_from, ckpt.load_training_state(resume_from), changed)
 
 
-def _optimizer_step(cfg: Config, policy, masters, at: Placement, state, total_steps: int):
-    """AdamW over the trainable weights (bf16: their fp32 masters) and its schedule, fp16's grad
-    scaler (its state restored on resume), as one optim.OptimizerStep."""
+def _grad_scaler(precision: Precision, device, state):
+    """fp16's grad scaler, its state restored on resume (from the TrainerState); None otherwise."""
     import torch
 
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    if scaler is not None and state.grad_scaler:
+        scaler.load_state_dict(state.grad_scaler)
+    return scaler
+
+
+def _optimizer_step(cfg: Config, policy, masters, scaler, total_steps: int, d):
+    """AdamW over the trainable weights (bf16: their fp32 masters) and its schedule, with the grad
+    scaler (fp16; else None: _grad_scaler), as one optim.OptimizerStep."""
     optimizer, scheduler = build_optimizer(
         masters.params if masters else policy.parameters(),  # the trainable ones (adapters': theirs)
         cfg.optimizer,
         total_updates=total_steps * cfg.trainer.num_iterations,
     )
-    scaler = torch.amp.GradScaler(at.device.type) if at.precision.use_grad_scaler else None
-    if scaler is not None and state.grad_scaler:
-        scaler.load_state_dict(state.grad_scaler)
     return OptimizerStep(
         optimizer,
         scheduler,
@@ -269,15 +273,14 @@ def _optimizer_step(cfg: Config, policy, masters, at: Placement, state, total_st
         masters=masters,
         grad_scaler=scaler,
         max_grad_norm=cfg.optimizer.max_grad_norm,
-        dist=at.dist,
+        dist=d,
     )
 
 
-def _restore(
-    resume_from: Path, loaded, changed: list[str], policy, opt_step, stream, *, fsdp: bool, d, console
-):
+def _restore(resume: _Resume, policy, opt_step, stream, *, fsdp: bool, d, console):
     """A resumed run's optimizer, schedule and prompt stream, from the checkpoint's training
-    state (loaded: checkpoint.load_training_state's), and what differs from its run, said."""
+    state (resume.loaded), and what differs from its run (resume.changed), said."""
+    resume_from, loaded, changed = resume
     state = loaded[0]
     try:
         if fsdp:
@@ -375,7 +378,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             "scaler, which grpo-cli does not run; use trainer.precision=bf16 (or fp32), or "
             "trainer.distributed=ddp."
         )
-    resume_from, loaded, changed = _resume_state(cfg, run_dir, fsdp)
+    resume = _resume_state(cfg, run_dir, fsdp)
+    resume_from, loaded = resume.path, resume.loaded
     train_rows, eval_rows = read_data(cfg)
     wide_rows = read_wide_eval(cfg)
     check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
@@ -426,10 +430,10 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     ref = _reference(cfg, policy, source, device, precision, fsdp)
 
     at = Placement(precision, device, d)
-    opt_step = _optimizer_step(cfg, policy, masters, at, state, total_steps)
+    opt_step = _optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
     stream = PromptStream(data.train, seed=t.seed)
     if loaded:
-        _restore(resume_from, loaded, changed, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
+        _restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
     fast_paths = tested_architecture(policy)
     if not fast_paths:
         console.print(_untested_note(policy))

@@ -35,7 +35,7 @@ from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
 from grpo_cli.optim import StepResult
 from grpo_cli.rewards import conversation, decode_completions
 from grpo_cli.rollout import Batch
-from grpo_cli.samples import step_records
+from grpo_cli.samples import Completions, step_records
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -144,7 +144,6 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 batch,
                 sampled,
                 updated.stats,
-                t.num_iterations,
                 learner.opt_step.learning_rate,
                 t0,
                 phase,
@@ -255,15 +254,16 @@ class _Run:
         return bad or (["a parameter of another process"] if anywhere else [])
 
     def diverged(self, step: int) -> None:
+        bad_params = self.bad_weights()
+        self.log.flush_table()
+        if bad_params:
+            guards.stop_nonfinite_weights(bad_params, step, self.run_dir)
         guards.stop_diverged(
-            self.bad_weights(),
             self.parts.state,
             step,
             max_bad_steps=self.cfg.trainer.max_bad_steps,
             save=self.save,
-            run_dir=self.run_dir,
             resume_hint=self.resume_hint,
-            log=self.log,
         )
 
     def save(self, step: int) -> Path | None:
@@ -341,8 +341,7 @@ def _completion_records(
         return [float(f"{v:.8g}") for v in t.tolist()]
 
     values = [floats(column) for column in batch.reward_values[:n].T]  # [R][n]
-    return step_records(
-        step,
+    completions = Completions(
         prompts=[sampled.examples[i].prompt for i in batch.prompt_index[:n].tolist()],
         texts=texts,
         reward_values={
@@ -354,8 +353,8 @@ def _completion_records(
         lengths=r.lengths[:n].tolist(),
         truncated=r.truncated[:n].tolist(),
         zero_std=batch.zero_std[:n].tolist(),
-        num_generations=batch.num_generations,
     )
+    return step_records(step, completions, batch.num_generations)
 
 
 def _note_nonfinite(updates: UpdateStats, step: int, result: StepResult, state, t, log) -> None:

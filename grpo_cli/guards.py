@@ -62,36 +62,28 @@ def record_step(
         state.bad_steps, state.bad_log, state.last_good_step = 0, [], step
 
 
-def stop_diverged(
-    bad_params: list[str],
-    state: TrainerState,
-    step: int,
-    *,
-    max_bad_steps: int,
-    save,
-    run_dir: Path,
-    resume_hint: str,
-    log,
-) -> None:
-    """Stop with exit 3 and a diagnosis. Either `max_bad_steps` steps in a row had a non-finite
-    loss or gradient (their updates were skipped, so the weights are still those of
-    `state.last_good_step`: save them), or an update made the weights themselves non-finite
-    (never save those: point at the latest good checkpoint). bad_params: nonfinite_params of
-    the policy (on every process of a multi-process run)."""
-    log.flush_table()
-    if bad_params:
-        found = ckpt.list_checkpoints(run_dir)
-        where = (
-            f"The latest good checkpoint is {found[-1]}: resume from it (trainer.resume={found[-1]}) with a "
-            "lower optimizer.learning_rate."
-            if found
-            else "No checkpoint was written before it: start again with a lower optimizer.learning_rate."
-        )
-        raise TrainingDiverged(
-            f"the weights are not finite after step {step} (e.g. {', '.join(bad_params)}), so training stopped "
-            "and they were not saved.\nDiagnosis: an update diverged (learning rate too high for this model or "
-            f"precision, or optimizer.adam_epsilon too small). {where}"
-        )
+def stop_nonfinite_weights(bad_params: list[str], step: int, run_dir: Path) -> None:
+    """Stop with exit 3 and a diagnosis: an update made the weights themselves non-finite
+    (bad_params: nonfinite_params of the policy, on every process of a multi-process run). Never
+    save those: point at the latest good checkpoint in run_dir."""
+    found = ckpt.list_checkpoints(run_dir)
+    where = (
+        f"The latest good checkpoint is {found[-1]}: resume from it (trainer.resume={found[-1]}) with a "
+        "lower optimizer.learning_rate."
+        if found
+        else "No checkpoint was written before it: start again with a lower optimizer.learning_rate."
+    )
+    raise TrainingDiverged(
+        f"the weights are not finite after step {step} (e.g. {', '.join(bad_params)}), so training stopped "
+        "and they were not saved.\nDiagnosis: an update diverged (learning rate too high for this model or "
+        f"precision, or optimizer.adam_epsilon too small). {where}"
+    )
+
+
+def stop_diverged(state: TrainerState, step: int, *, max_bad_steps: int, save, resume_hint: str) -> None:
+    """Stop with exit 3 and a diagnosis: `max_bad_steps` steps in a row had a non-finite loss or
+    gradient (their updates were skipped, so the weights are still those of
+    `state.last_good_step`: save them, save(step))."""
     bad_log = state.bad_log
     streak = len({line.split(":")[0] for line in bad_log})
     path = save(step)

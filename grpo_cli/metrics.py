@@ -287,7 +287,9 @@ class UpdateStats:
         self.losses.append(loss)
         self.grad_norms.append(grad_norm)
 
-    def row(self, num_iterations: int) -> dict[str, Any]:
+    def row(self) -> dict[str, Any]:
+        """The row's share; the `_last` columns when the step ran several updates
+        (trainer.num_iterations: one loss each)."""
         n_tok = max(self.sums.get("num_tokens", 0.0), 1.0)
         n_last = max(self.last.get("num_tokens", 0.0), 1.0)
         return {
@@ -298,7 +300,7 @@ class UpdateStats:
                     f"{key}_last": self.last.get(key, 0.0) / n_last
                     for key in ("clip_ratio/region_mean", "ratio_mean")
                 }
-                if num_iterations > 1
+                if len(self.losses) > 1
                 else {}
             ),
             # Over the rows trained on (num_rows_trained: zero-std groups skip the forward under
@@ -332,7 +334,6 @@ def step_row(
     batch,
     sampled,
     updates: UpdateStats,
-    num_iterations: int,
     learning_rate: float,
     started: float,
     phase: dict[str, float],
@@ -371,7 +372,7 @@ def step_row(
         "num_completions_sampled": len(drawn.totals),
         "num_groups_resampled": sampled.resampled_groups,
         "num_groups_rescued": sampled.rescued_groups,
-        **updates.row(num_iterations),
+        **updates.row(),
         "prompts/mean_length": float(r.prompt_mask.sum(-1).float().mean()),
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),

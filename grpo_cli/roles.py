@@ -129,16 +129,4 @@ class Learner:
 
     def update(self, batch, plan, context: phases.UpdateContext, tolerance, log) -> phases.Updated:
         """num_iterations updates on the batch (step.update); `tolerance`: the sampler's."""
-        return phases.update(
-            batch,
-            plan,
-            context,
-            scorer=self.scorer,
-            opt=self.opt_step,
-            precision=self.precision,
-            tolerance=tolerance,
-            lo=self.cfg.loss,
-            num_iterations=self.cfg.trainer.num_iterations,
-            max_new_tokens=self.cfg.sampler.max_new_tokens,
-            log=log,
-        )
+        return phases.update(batch, plan, context, learner=self, tolerance=tolerance, log=log)

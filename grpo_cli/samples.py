@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,33 +22,38 @@ SAMPLES_FILE = "completions.jsonl"
 CONSOLE_CHARS = 40  # a shortened text on the console: the start, then "…"
 
 
-def step_records(
-    step: int,
-    prompts: list[Any],
-    texts: list[str],
-    reward_values: dict[str, list[float | None]],
-    totals: list[float],
-    advantages: list[float],
-    lengths: list[int],
-    truncated: list[bool],
-    zero_std: list[bool],
-    num_generations: int,
-) -> list[dict[str, Any]]:
-    """One record per completion (rows in rollout order, `num_generations` consecutive rows a group)."""
+@dataclass(frozen=True)
+class Completions:
+    """A step's completions as columns, one entry per completion (rows in rollout order): what
+    each record holds besides the step and its group."""
+
+    prompts: list[Any]  # as the dataset gave them
+    texts: list[str]
+    reward_values: dict[str, list[float | None]]  # each reward's values (None: could not score)
+    totals: list[float]  # the weighted total
+    advantages: list[float]
+    lengths: list[int]  # in tokens
+    truncated: list[bool]  # no EOS within sampler.max_new_tokens
+    zero_std: list[bool]  # its group had no learning signal
+
+
+def step_records(step: int, completions: Completions, num_generations: int) -> list[dict[str, Any]]:
+    """One record per completion (`num_generations` consecutive rows a group)."""
+    c = completions
     return [
         {
             "step": step,
             "group": i // num_generations,
-            "prompt": prompts[i],
-            "completion": texts[i],
-            "rewards": {name: values[i] for name, values in reward_values.items()},
-            "reward": totals[i],
-            "advantage": advantages[i],
-            "length": lengths[i],
-            "truncated": truncated[i],
-            "zero_std": zero_std[i],
+            "prompt": c.prompts[i],
+            "completion": c.texts[i],
+            "rewards": {name: values[i] for name, values in c.reward_values.items()},
+            "reward": c.totals[i],
+            "advantage": c.advantages[i],
+            "length": c.lengths[i],
+            "truncated": c.truncated[i],
+            "zero_std": c.zero_std[i],
         }
-        for i in range(len(texts))
+        for i in range(len(c.texts))
     ]
 
 

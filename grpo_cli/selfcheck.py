@@ -74,17 +74,17 @@ def compare_logprobs(
 
 
 @torch.no_grad()
-def diagnose(
-    model,
-    prompt_ids,
-    prompt_mask,
-    completion_ids,
-    attention_mask,
-    trained_mask,
-    sampler_logps,
-    temperature: float,
-) -> str:
-    """Recompute the log-probs the usual wrong ways; the one that matches the sampler names the bug."""
+def diagnose(model, rollout, temperature: float) -> str:
+    """Recompute the log-probs of a rollout's (rollout.Rollout) completions the usual wrong ways;
+    the one that matches its sampler_logps (over its trained_mask) names the bug."""
+    r = rollout
+    prompt_ids, prompt_mask, completion_ids, attention_mask = (
+        r.prompt_ids,
+        r.prompt_mask,
+        r.completion_ids,
+        r.attention_mask,
+    )
+    trained_mask, sampler_logps = r.trained_mask, r.sampler_logps
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attn = torch.cat([prompt_mask, attention_mask], 1).long()
     C = completion_ids.shape[1]
@@ -132,16 +132,7 @@ class FirstStep:
         earlier micro-batches')."""
         if not check.ok:
             with torch.no_grad():
-                why = diagnose(
-                    self.policy,
-                    mb.prompt_ids,
-                    mb.prompt_mask,
-                    mb.completion_ids,
-                    mb.attention_mask,
-                    mb.trained_mask,
-                    mb.sampler_logps,
-                    self.temperature,
-                )
+                why = diagnose(self.policy, mb, self.temperature)
             raise SelfCheckError(
                 f"step-0 self-check failed ({self.precision}): {check.describe()}, so the trainer does not "
                 f"score the distribution the sampler drew from.\n{why}"

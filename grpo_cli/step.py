@@ -15,16 +15,19 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import torch
 
 from grpo_cli import selfcheck
 from grpo_cli.adapters import disabled_adapters
-from grpo_cli.config import LossConfig, SamplerConfig
+from grpo_cli.config import Config, LossConfig, SamplerConfig
 from grpo_cli.distributed import Dist, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.environments.episodes import RolloutPath
-from grpo_cli.logprobs import token_logprobs
+from grpo_cli.logprobs import ScoringOptions, score_tokens
 from grpo_cli.loss import (
+    Counts,
+    LossBatch,
     group_advantages,
     grpo_loss,
     has_learning_signal,
@@ -334,6 +337,7 @@ def reference_logprobs(
     """The reference model's log-probs [N, C] of the batch's completions, micro-batch by
     micro-batch (with LoRA the reference is the policy with its adapters disabled)."""
     r = batch.rollout
+    options = ScoringOptions(temperature, shared_prompt=shared_prompt, chunk_size=chunk_size)
     ref_logps = torch.zeros_like(r.sampler_logps)  # [N, C]
     # (FSDP2's all-gathers run under no_grad, not inference mode.)
     with (
@@ -345,14 +349,8 @@ def reference_logprobs(
             if not len(rows):
                 continue
             mb = batch.rows(rows).rollout
-            ref_logps[rows, : mb.completion_ids.shape[1]] = token_logprobs(
-                ref,
-                *mb.inputs(),
-                temperature=temperature,
-                num_generations=mb.num_generations,
-                shared_prompt=shared_prompt,
-                chunk_size=chunk_size,
-            ).float()
+            scores = score_tokens(ref, *mb.inputs(), options, mb.num_generations)
+            ref_logps[rows, : mb.completion_ids.shape[1]] = scores.logps.float()
     return ref_logps.clone()  # leave inference mode: usable in autograd
 
 
@@ -378,24 +376,24 @@ class Updated:
     seconds: dict[str, float]
 
 
+class Trains(Protocol):
+    """What update() runs with (roles.Learner is one): the config (loss, trainer.num_iterations,
+    sampler.max_new_tokens), the training forward (`scorer`: logprobs.TokenLogprobs,
+    DDP-wrapped under several processes), the optimizer step and the precision."""
+
+    cfg: Config
+    scorer: Any
+    opt_step: OptimizerStep
+    precision: Precision
+
+
 def update(
-    batch: Batch,
-    plan: MicroBatches,
-    ctx: UpdateContext,
-    *,
-    scorer,
-    opt: OptimizerStep,
-    precision: Precision,
-    tolerance: tuple[float, float],
-    lo: LossConfig,
-    num_iterations: int,
-    max_new_tokens: int,
-    log,
+    batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Trains, tolerance, log
 ) -> Updated:
-    """num_iterations updates on this batch, each accumulating the gradient over the shuffled
-    micro-batches, then one optimizer step (opt). `scorer`: the training forward
-    (logprobs.TokenLogprobs, DDP-wrapped under several processes), run under `precision`'s
-    autocast; `tolerance`: the sampler's declared (mean, max) log-prob gap.
+    """trainer.num_iterations updates on this batch, each accumulating the gradient over the
+    shuffled micro-batches, then one optimizer step (learner.opt_step). The training forward
+    (learner.scorer) runs under learner.precision's autocast; `tolerance`: the sampler's declared
+    (mean, max) log-prob gap.
 
     The ratio's old log-probs are the trainer's own, detached, from before the first update (ref
     000.1): on iteration 0 the very forward being trained (ratio exactly 1 in any precision);
@@ -403,6 +401,8 @@ def update(
     of the distribution they were drawn from (TokenScores.behaviour): that gap is the mismatch
     metric and feeds the optional TIS correction. Every one of them counts the trained tokens
     only (Rollout.trained_mask)."""
+    scorer, opt, precision, cfg = learner.scorer, learner.opt_step, learner.precision, learner.cfg
+    lo, num_iterations, max_new_tokens = cfg.loss, cfg.trainer.num_iterations, cfg.sampler.max_new_tokens
     updates = UpdateStats(grad_scaler=opt.scaler is not None)
     seconds = {"policy": 0.0, "optimizer": 0.0}
     sampler_logps = batch.rollout.sampler_logps  # [N, C]
@@ -443,21 +443,17 @@ def update(
                     check = ctx.self_check.micro_batch(mismatch, r, check)
             else:
                 old = old_logps[rows, :C]
-            loss, stats = grpo_loss(
-                logps,
+            loss_batch = LossBatch(
                 old,
-                None if ctx.ref_logps is None else ctx.ref_logps[rows, :C],
                 mb.advantages,
                 mb.loss_mask,
-                cfg=lo,
+                ref_logps=None if ctx.ref_logps is None else ctx.ref_logps[rows, :C],
                 zero_std_flags=mb.zero_std,
                 group_std=mb.group_std,
-                num_sequences=ctx.norms[0],
-                num_tokens=ctx.norms[1],
-                max_new_tokens=max_new_tokens,
-                num_generations=r.num_generations,
                 importance_weights=None if is_weights is None else is_weights[rows, :C],
+                num_generations=r.num_generations,
             )
+            loss, stats = grpo_loss(logps, loss_batch, cfg=lo, counts=Counts(*ctx.norms, max_new_tokens))
             with gradient_sync(scorer, sync):
                 opt.backward(loss)
             loss_total += float(loss.detach())

@@ -46,9 +46,7 @@ class Largest(TorchDispatchMode):
 
 
 def scores_and_grads(model, tensors, weights, chunk):
-    scores = lp.score_tokens(
-        model, *tensors, temperature=0.7, num_generations=3, with_entropy=True, chunk_size=chunk
-    )
+    scores = lp.score_tokens(model, *tensors, lp.ScoringOptions(0.7, with_entropy=True, chunk_size=chunk), 3)
     loss = (scores.logps * tensors[3].float() * weights[:, None]).sum()
     model.zero_grad(set_to_none=True)
     loss.backward()

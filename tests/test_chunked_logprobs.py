@@ -9,19 +9,12 @@ import pytest
 import torch
 from test_architectures import ARCHS, G, batch, build
 
-from grpo_cli.logprobs import chunkable, score_tokens
+from grpo_cli.logprobs import ScoringOptions, chunkable, score_tokens
 
 
 def _scores(model, tensors, chunk_size, *, shared=True, top_p=1.0):
-    return score_tokens(
-        model,
-        *tensors,
-        temperature=0.7,
-        num_generations=G if shared else 1,
-        with_entropy=True,
-        top_p=top_p,
-        chunk_size=chunk_size,
-    )
+    options = ScoringOptions(0.7, with_entropy=True, top_p=top_p, chunk_size=chunk_size)
+    return score_tokens(model, *tensors, options, G if shared else 1)
 
 
 def _assert_same_grads(names, ours, theirs, rtol=1e-6, per_tensor_rtol=4e-6):
@@ -200,7 +193,8 @@ def test_the_output_layers_own_backward_gives_autograds_gradients(bias, softcap,
     params = [hidden, head.weight] + ([head.bias] if bias else [])
     kw = dict(temperature=temperature, with_entropy=True, top_p=top_p)
 
-    ours = chunked_scores(out, hidden, targets, chunk=3, **kw)
+    options = ScoringOptions(**kw)
+    ours = chunked_scores(out, hidden, targets, options, chunk=3)
     g_ours = torch.autograd.grad((ours.logps * weights).sum(), params)
     theirs = token_scores(out.logits(hidden) / temperature, targets, **{**kw, "temperature": 1.0})
     g_theirs = torch.autograd.grad((theirs.logps * weights).sum(), params)
@@ -214,7 +208,7 @@ def test_the_output_layers_own_backward_gives_autograds_gradients(bias, softcap,
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     with torch.no_grad():  # the reference pass's path: no backward kept, the same numbers
         torch.testing.assert_close(
-            chunked_scores(out, hidden, targets, chunk=3, **kw).logps, ours.logps.detach()
+            chunked_scores(out, hidden, targets, options, chunk=3).logps, ours.logps.detach()
         )
 
 

@@ -33,14 +33,14 @@ def loss_calls(monkeypatch):
     calls = []
     real = step.grpo_loss
 
-    def spy(logps, old_logps, ref_logps, advantages, mask, **kw):
-        loss, stats = real(logps, old_logps, ref_logps, advantages, mask, **kw)
+    def spy(logps, batch, **kw):
+        loss, stats = real(logps, batch, **kw)
         calls.append(
             {
                 "logps": logps.detach().clone(),
-                "old": old_logps.detach().clone(),
-                "mask": mask.clone(),
-                "weights": kw.get("importance_weights"),
+                "old": batch.old_logps.detach().clone(),
+                "mask": batch.mask.clone(),
+                "weights": batch.importance_weights,
                 "stats": {k: float(v) for k, v in stats.items()},
                 "loss": float(loss.detach()),
             }

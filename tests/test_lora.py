@@ -114,6 +114,7 @@ def test_unknown_target_modules_are_answered_with_the_models_linear_layers(model
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from grpo_cli.adapters import add_lora, linear_layer_names
+    from grpo_cli.config import AdapterConfig
     from grpo_cli.errors import UserError
     from grpo_cli.models import build_tiny
 
@@ -125,7 +126,9 @@ def test_unknown_target_modules_are_answered_with_the_models_linear_layers(model
         expected = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert linear_layer_names(m) == expected
     with pytest.raises(UserError) as err:
-        add_lora(m, r=2, alpha=4, dropout=0.0, target_modules=[expected[0], "query"], init="default")
+        add_lora(
+            m, AdapterConfig(r=2, alpha=4, dropout=0.0, target_modules=[expected[0], "query"], init="default")
+        )
     assert "'query' is not a linear layer" in str(err.value)
     assert ", ".join(expected) in str(err.value)
 
@@ -227,10 +230,8 @@ def test_decode_fast_path_and_shared_prompt_forward_match_the_plain_paths_with_a
 
     assert not any(True for _ in _patch_counts.keys())  # every layer unpatched afterwards
     r = _rollout(model, tok)
-    shared = token_logprobs(
-        model, *r.inputs(), temperature=1.0, num_generations=r.num_generations, shared_prompt=True
-    )
-    full = token_logprobs(model, *r.inputs(), temperature=1.0, shared_prompt=False)
+    shared = token_logprobs(model, *r.inputs(), temperature=1.0, num_generations=r.num_generations)
+    full = token_logprobs(model, *r.inputs(), temperature=1.0)  # one row per group: no prompt shared
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=0)
     torch.testing.assert_close(full * r.trained_mask, r.sampler_logps, atol=1e-5, rtol=0)
 

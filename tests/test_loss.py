@@ -18,6 +18,8 @@ from grpo_cli import loss as loss_module
 from grpo_cli.config import LossConfig
 from grpo_cli.loss import (
     LOG_RATIO_CLAMP,
+    Counts,
+    LossBatch,
     has_learning_signal,
     importance_ratio,
     loss_normalizers,
@@ -35,10 +37,15 @@ def _split(kw: dict) -> tuple[LossConfig, dict]:
     }
 
 
-def grpo_loss(*args, **kw):
-    """loss.grpo_loss with the tables' options (beta=..., loss_type=...) given as its cfg."""
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, **kw):
+    """loss.grpo_loss with the tables' options (beta=..., loss_type=...) given as its cfg, the
+    other tensors (zero_std_flags=..., num_generations=...) as its LossBatch, and the step's
+    num_sequences, num_tokens (and max_new_tokens: T unless given) as its Counts."""
     cfg, rest = _split(kw)
-    return loss_module.grpo_loss(*args, cfg=cfg, **rest)
+    n_seq, n_tok, L = (rest.pop(k, None) for k in ("num_sequences", "num_tokens", "max_new_tokens"))
+    counts = None if n_seq is None else Counts(n_seq, n_tok, logps.shape[1] if L is None else L)
+    batch = LossBatch(old_logps, advantages, mask, ref_logps, **rest)
+    return loss_module.grpo_loss(logps, batch, cfg=cfg, counts=counts)
 
 
 def group_advantages(rewards, num_generations, **kw):

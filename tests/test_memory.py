@@ -205,7 +205,7 @@ def test_allocator_slack(training_gib, device, method, slack_gib):
 def test_the_attention_mask_term_is_what_a_real_training_forward_keeps():
     """The estimate's quadratic term against the tensors autograd really saves: a padded batch's
     boolean mask is converted to the activations' dtype by SDPA in every layer and kept there."""
-    from grpo_cli.logprobs import score_tokens
+    from grpo_cli.logprobs import ScoringOptions, score_tokens
 
     config = small_configs()["llama-tied"]
     config.num_hidden_layers = 3
@@ -226,9 +226,7 @@ def test_the_attention_mask_term_is_what_a_real_training_forward_keeps():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        score_tokens(
-            model, prompt, prompt_mask, completion, completion_mask, temperature=1.0, num_generations=G
-        )
+        score_tokens(model, prompt, prompt_mask, completion, completion_mask, ScoringOptions(1.0), G)
     # the completions' pass scores tokens 1..C-1 (token 0 from the prompt's pass) over P + C - 1 keys
     completions = memory._attention_mask_bytes(G, C - 1, P + C - 1, 4)
     prompts = memory._attention_mask_bytes(1, P, P, 4)

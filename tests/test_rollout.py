@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import scored_rows
 
 from grpo_cli import selfcheck, step
-from grpo_cli.config import LossConfig
+from grpo_cli.config import Config, LossConfig, SamplerConfig, TrainerConfig
 from grpo_cli.logprobs import TokenLogprobs, token_logprobs
 from grpo_cli.metrics import step_row
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
@@ -97,11 +98,11 @@ def _update(model, r: Rollout, garbage: float, monkeypatch):
     calls = []
     real = step.grpo_loss
 
-    def spy(logps, old, ref, adv, mask, **kw):
+    def spy(logps, batch, **kw):
         leaf = logps.detach().requires_grad_(True)  # the same loss, on a leaf: its gradient per token
-        calls.append({"logps": leaf, "loss": real(leaf, old, ref, adv, mask, **kw)[0], "mask": mask})
-        calls[-1]["weights"] = kw["importance_weights"]
-        return real(logps, old, ref, adv, mask, **kw)
+        calls.append({"logps": leaf, "loss": real(leaf, batch, **kw)[0], "mask": batch.mask})
+        calls[-1]["weights"] = batch.importance_weights
+        return real(logps, batch, **kw)
 
     monkeypatch.setattr(step, "grpo_loss", spy)
     model.zero_grad()
@@ -118,13 +119,15 @@ def _update(model, r: Rollout, garbage: float, monkeypatch):
         step.UpdateContext(
             (4, int(r.trained_mask.sum())), True, ref_logps, selfcheck.FirstStep(model, "fp32", 1.0)
         ),
-        scorer=TokenLogprobs(model, temperature=1.0, shared_prompt=True),
-        opt=opt,
-        precision=precision,
+        learner=SimpleNamespace(
+            cfg=Config(
+                loss=lo, sampler=SamplerConfig(max_new_tokens=6), trainer=TrainerConfig(num_iterations=1)
+            ),
+            scorer=TokenLogprobs(model, temperature=1.0, shared_prompt=True),
+            opt_step=opt,
+            precision=precision,
+        ),
         tolerance=(1e-4, 5e-4),
-        lo=lo,
-        num_iterations=1,
-        max_new_tokens=6,
         log=type("Log", (), {"print": staticmethod(lambda *a: None)})(),
     )
     return updated, calls, opt.grads
@@ -173,7 +176,7 @@ def test_the_hole_is_left_out_of_the_logged_stats(tiny):
     sampled = step.Sampled(train=rows, drawn=rows)
     updates = step.UpdateStats()
     updates.update(0.0, 1.0)  # one optimizer step's loss and gradient norm
-    row = step_row(1, _batch(r), sampled, updates, 1, 1e-3, time.perf_counter() - 1.0, {})
+    row = step_row(1, _batch(r), sampled, updates, 1e-3, time.perf_counter() - 1.0, {})
     trained = r.trained_mask.bool()
     assert row["sampler/neg_logp_mean"] == pytest.approx(float(-r.sampler_logps[trained].mean()), rel=1e-6)
     assert row["tokens_per_second"] == pytest.approx(int(trained.sum()), rel=0.05)  # ~1 s since `started`

@@ -13,13 +13,20 @@ from grpo_cli.cli.report import main as report_main
 from grpo_cli.cli.train import train_config as run
 from grpo_cli.metrics import MetricsLogger
 from grpo_cli.rewards import as_reward_input, build_rewards, score_rewards
-from grpo_cli.samples import SAMPLES_FILE, read_records, shorten, showcase, showcase_table, step_records
+from grpo_cli.samples import (
+    SAMPLES_FILE,
+    Completions,
+    read_records,
+    shorten,
+    showcase,
+    showcase_table,
+    step_records,
+)
 
 
 def records(step=1, rewards=(1.2, 0.0, 0.2, 0.2, 0.2, 0.2), G=3, text="x"):
     n = len(rewards)
-    return step_records(
-        step,
+    completions = Completions(
         prompts=[f"p{i // G}" for i in range(n)],
         texts=[f"{text}{i}" for i in range(n)],
         reward_values={"accuracy": [float(r >= 1) for r in rewards], "format": [0.2] * n},
@@ -28,8 +35,8 @@ def records(step=1, rewards=(1.2, 0.0, 0.2, 0.2, 0.2, 0.2), G=3, text="x"):
         lengths=[3] * n,
         truncated=[i == 1 for i in range(n)],
         zero_std=[i >= G for i in range(n)],
-        num_generations=G,
     )
+    return step_records(step, completions, G)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ The modules, by level (each imports only those above it):
 
 - forward: running the model (model_logits, positions, padding bounds, the prompt prefill and
   the shared-prompt KV cache, the temperature: _forward_logits);
-- whole: scores from whole logits (token_scores, selective_logprobs, TokenScores) and the
+- whole: scores from whole logits (token_scores, selective_logprobs, TokenScores), the scoring
+  settings (ScoringOptions) and the
   sampler's top-k/top-p filter the trainer replays (filter_logits);
 - chunked: the chunked path (hidden_states_out, chunkable, chunked_scores, _LinearHeadScores);
 - score: the entry points (score_tokens, token_logprobs, TokenLogprobs).
@@ -38,11 +39,19 @@ from grpo_cli.logprobs.forward import (
     prefill,
 )
 from grpo_cli.logprobs.score import TokenLogprobs, score_tokens, token_logprobs
-from grpo_cli.logprobs.whole import TokenScores, filter_logits, selective_logprobs, token_scores, truncates
+from grpo_cli.logprobs.whole import (
+    ScoringOptions,
+    TokenScores,
+    filter_logits,
+    selective_logprobs,
+    token_scores,
+    truncates,
+)
 
 __all__ = [
     "AUTO_CHUNK_BYTES",
     "OutputLayer",
+    "ScoringOptions",
     "TokenLogprobs",
     "TokenScores",
     "_forward_logits",

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_cli.logprobs.forward import forward_model, model_logits
-from grpo_cli.logprobs.whole import TokenScores, filter_logits, truncates
+from grpo_cli.logprobs.whole import ScoringOptions, TokenScores, filter_logits, truncates
 
 #: logprob_chunk_size=None (auto): tokens per chunk such that one chunk's fp32 logits are about
 #: this many bytes (SmolLM2's 49,152-token vocabulary: 341 tokens; Qwen2.5's 151,936: 110).
@@ -255,15 +255,24 @@ def _head_scores(hidden, weight, bias, targets, spec: _HeadSpec, *, with_dhidden
     return (h, w, b, dhidden), scores
 
 
-def _head_weight_grad(h, w, b, targets, lses, dlogps, spec: _HeadSpec, weight_dtype):
-    """The output layer's gradient (weight [V, H], bias [V] or None) in weight_dtype, from hidden
-    h [N, H] and (w, b) in the compute dtype, the forward's logsumexps lses [N] and the upstream
-    dlogps [N]. Sliced by vocabulary rows, not by tokens: each slice recomputes its logits for all
+class _Operands(NamedTuple):
+    """The output layer's matmul operands, in the compute dtype (_head_scores casts them)."""
+
+    h: torch.Tensor  # [N, H] hidden states
+    w: torch.Tensor  # [V, H] weight
+    b: torch.Tensor | None  # [V] bias
+
+
+def _head_weight_grad(ops: _Operands, targets, lses, dlogps, spec: _HeadSpec, weight_dtype):
+    """The output layer's gradient (weight [V, H], bias [V] or None) in weight_dtype, from the
+    operands ops (hidden h [N, H] and (w, b) in the compute dtype), the forward's logsumexps
+    lses [N] and the upstream dlogps [N]. Sliced by vocabulary rows, not by tokens: each slice recomputes its logits for all
     N tokens ([N, v], as many elements as a token chunk's [chunk, V]) and writes its rows of the
     gradient with one matmul over all tokens. A token-chunked loop would add a whole [V, H]
     partial gradient per chunk (a bf16 temporary and an fp32 read-modify-write of V * H each
     time); this writes each row once, and sums the tokens inside the matmul (fp32 accumulation,
     one rounding to the compute dtype, as autograd's own matmul would)."""
+    h, w, b = ops
     temperature, softcap, chunk = spec.temperature, spec.softcap, spec.chunk
     N, V = h.shape[0], w.shape[0]
     rows = V if N <= chunk else max(1, chunk * V // N)  # vocabulary rows per slice: [N, rows] <= [chunk, V]
@@ -320,7 +329,9 @@ class _LinearHeadScores(torch.autograd.Function):
             grad_hidden = (dhidden.float() * dlogps.unsqueeze(-1)).to(hidden_dtype)  # [N, H]
         if train_head:
             h, w, b, targets, lses = rest
-            grad_weight, grad_bias = _head_weight_grad(h, w, b, targets, lses, dlogps, spec, weight_dtype)
+            grad_weight, grad_bias = _head_weight_grad(
+                _Operands(h, w, b), targets, lses, dlogps, spec, weight_dtype
+            )
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
@@ -338,20 +349,24 @@ def chunked_scores(
     out: OutputLayer,
     hidden: torch.Tensor,
     targets: torch.Tensor,
+    options: ScoringOptions,
     *,
-    temperature: float,
     chunk: int,
-    with_entropy: bool = False,
-    top_k: int = 0,
-    top_p: float = 1.0,
 ) -> TokenScores:
-    """TokenScores of targets [B, T] from final hidden states [B, T, H], `chunk` tokens at a time:
+    """TokenScores of targets [B, T] from final hidden states [B, T, H], `chunk` tokens at a time
+    (options: the temperature, with_entropy, top_k and top_p; its chunk_size is the caller's):
     the same numbers as token_scores on the whole logits, with at most one chunk's [chunk, V]
     logits alive. A plain linear output layer runs _LinearHeadScores (its own backward); any other
     (a LoRA-wrapped one) runs its chunks under torch.utils.checkpoint, which recomputes a chunk's
     forward in the backward."""
     from torch.utils.checkpoint import checkpoint
 
+    temperature, with_entropy, top_k, top_p = (
+        options.temperature,
+        options.with_entropy,
+        options.top_k,
+        options.top_p,
+    )
     B, T, H = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(B * T, H), targets.reshape(B * T)
     truncating = truncates(top_k, top_p)

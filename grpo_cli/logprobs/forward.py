@@ -95,8 +95,7 @@ def _forward_logits(
     prompt_mask,
     completion_ids,
     attention_mask,
-    num_generations: int = 1,
-    shared_prompt: bool = True,
+    group_size: int = 1,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """(Within hidden_states_out: the final hidden states [B, C, H] at those positions, and the
@@ -109,15 +108,15 @@ def _forward_logits(
     copy of their output; an architecture whose last op did would make autograd raise, not
     compute a wrong gradient.)
 
-    The rows come in groups of num_generations (G) consecutive rows that share one prompt (a
-    rollout's contract); with G > 1 each prompt is run once and its KV cache is shared by its G
-    completions (gradients flow back into the prompt's pass through the cache). Same numbers as
-    running every [prompt, completion] row in full, up to float rounding (tested), at a fraction
-    of the cost: prompts are often most of the tokens. shared_prompt=False always runs the plain
-    full rows (for an architecture not tested here).
+    The rows come in groups of group_size (G) consecutive rows that share one prompt (a
+    rollout's contract, G = num_generations); with G > 1 each prompt is run once and its KV cache
+    is shared by its G completions (gradients flow back into the prompt's pass through the
+    cache). Same numbers as running every [prompt, completion] row in full, up to float rounding
+    (tested), at a fraction of the cost: prompts are often most of the tokens. group_size=1 runs
+    the plain full rows (ScoringOptions.shared_prompt=False: for an architecture not tested here).
     """
     B, C = completion_ids.shape
-    G = num_generations if shared_prompt else 1
+    G = group_size
     if B % G:
         raise ValueError(f"_forward_logits: {B} rows are not groups of num_generations={G}")
     use_cache = G > 1 and not checkpointing(model)

@@ -6,6 +6,7 @@ filter. Imports nothing else of the package.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -39,6 +40,22 @@ def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature:
     (neither the log-probs nor the tempered logits): logit of the target minus the row's
     logsumexp, computed row by row in fp32."""
     return token_scores(logits, targets, temperature=temperature).logps
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How score_tokens scores completions (the settings of a scoring forward): the sampler's
+    distribution (softmax(logits / temperature), top_k/top_p: its truncation, replayed for
+    TokenScores.behaviour), whether to compute the entropy, whether a group's prompt runs once
+    for its rows (shared_prompt: see forward._forward_logits) and the chunked path's tokens per
+    chunk (chunk_size: None auto, 0 the model's whole logits; see chunked.chunk_tokens)."""
+
+    temperature: float
+    with_entropy: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+    shared_prompt: bool = True
+    chunk_size: int | None = None
 
 
 class TokenScores(NamedTuple):

@@ -72,6 +72,7 @@ __all__ = [
     "zero_std_groups",
     "loss_normalizers",
     "grpo_loss",
+    "LossBatch",
     "importance_ratio",
     "per_token_kl",
     "has_learning_signal",
@@ -123,50 +124,46 @@ LOSSES: dict[str, Variant] = {
 }
 
 
+@dataclass(frozen=True)
+class LossBatch:
+    """The tensors of one (micro-)batch that :func:`grpo_loss` reads besides the current-policy
+    log-probs: the per-token ones ``[B, T]``, the per-row ones ``[B]`` (None: absent), and the
+    group size of its rows."""
+
+    old_logps: Tensor  # [B, T] log-probs of the policy that sampled the batch (ref 000.1)
+    advantages: Tensor  # [B] from group_advantages
+    mask: Tensor  # [B, T] completion-token mask, 0/1 or bool
+    ref_logps: Tensor | None = None  # [B, T] reference-model log-probs (KL), None when beta == 0
+    zero_std_flags: Tensor | None = None  # [B] bool from group_advantages; None: no row flagged
+    group_std: Tensor | None = None  # [B] per-row group std; zero_std="weight" needs it
+    importance_weights: Tensor | None = None  # [B, T] per-token weights of the policy term (TIS)
+    num_generations: int | None = None  # G, only for the num_zero_std_groups stat
+
+
 def grpo_loss(
-    logps: Tensor,
-    old_logps: Tensor,
-    ref_logps: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    cfg: LossConfig,
-    zero_std_flags: Tensor | None = None,
-    group_std: Tensor | None = None,
-    num_sequences: int | None = None,
-    num_tokens: int | None = None,
-    max_new_tokens: int | None = None,
-    num_generations: int | None = None,
-    importance_weights: Tensor | None = None,
+    logps: Tensor, batch: LossBatch, *, cfg: LossConfig, counts: Counts | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The ``loss_type`` row's policy term plus ``beta * KL``, reduced by the row's reduction.
 
     Args:
         logps: ``[B, T]`` current-policy log-probs of the completion tokens
             (with gradient). Values at masked positions may be garbage.
-        old_logps: ``[B, T]`` log-probs of the policy that sampled the batch
-            (ref 000.1); detached here.
-        ref_logps: ``[B, T]`` reference-model log-probs (for KL, not for the
-            ratio), or None when ``beta == 0``.
-        advantages: ``[B]`` from :func:`group_advantages`; detached here.
-        mask: ``[B, T]`` completion-token mask, 0/1 or bool.
+        batch: the other tensors (:class:`LossBatch`): ``old_logps`` (detached here),
+            ``ref_logps`` (for KL, not for the ratio; None when ``beta == 0``), ``advantages``
+            (detached here), ``mask``, ``zero_std_flags``, ``group_std`` (required by
+            ``zero_std="weight"``), ``importance_weights`` (optional ``[B, T]`` weights of the
+            policy term, not the KL term, e.g. :func:`truncated_importance_weights` for a
+            sampler/trainer mismatch; detached here) and ``num_generations`` (only used for the
+            ``num_zero_std_groups`` stat).
         cfg: the loss section; read: ``loss_type`` (a row of :data:`LOSSES`), ``beta`` (>= 0),
             ``epsilon``/``epsilon_high``/``delta`` (the clipped surrogate's range, ``terms.py``),
             ``importance_sampling_level`` (``"token"`` or ``"sequence"``, GSPO),
             ``kl_estimator`` (``"k1"``, ``"k2"``, ``"k3"``), ``zero_std`` (``"mask"``,
             ``"weight"``, ``"keep"``, ref 002).
-        zero_std_flags: ``[B]`` bool from :func:`group_advantages`; None means
-            no row is flagged.
-        group_std: ``[B]`` per-row group std; required by ``zero_std="weight"``.
-        num_sequences, num_tokens: step totals from :func:`loss_normalizers`;
-            default to this call's own counts.
-        max_new_tokens: ``L`` for ``"dr_grpo"``; defaults to ``T``. Pass the
-            configured completion limit when micro-batches are padded to
-            different lengths.
-        num_generations: only used for the ``num_zero_std_groups`` stat.
-        importance_weights: optional ``[B, T]`` per-token weights of the policy
-            term (not the KL term), e.g. :func:`truncated_importance_weights`
-            for a sampler/trainer mismatch; detached here.
+        counts: the step's divisors (:class:`Counts`): ``num_sequences`` and ``num_tokens`` from
+            :func:`loss_normalizers`, and ``max_new_tokens`` (``L`` for ``"dr_grpo"``: the
+            configured completion limit, as micro-batches are padded to different lengths).
+            None: this call's own counts and ``L = T``.
 
     Returns:
         ``(loss, stats)``: a scalar loss, and detached scalar stats ``kl``,
@@ -176,17 +173,17 @@ def grpo_loss(
         is given, ``num_zero_std_groups``. Means are over the tokens that enter
         the loss in this call (0 when there are none).
     """
+    b = batch
+    old_logps, ref_logps, advantages, mask = b.old_logps, b.ref_logps, b.advantages, b.mask
+    zero_std_flags, group_std, importance_weights = b.zero_std_flags, b.group_std, b.importance_weights
     variant = _check_options(cfg, ref_logps, group_std)
     tokens = dict(old_logps=old_logps, ref_logps=ref_logps, mask=mask, importance_weights=importance_weights)
     rows = dict(advantages=advantages, zero_std_flags=zero_std_flags, group_std=group_std)
     _check_shapes(logps, tokens, rows)
     cdtype, device = _compute_dtype(logps.dtype), logps.device
     valid = _effective_mask(mask, zero_std_flags, cfg.zero_std)  # [B, T] bool: tokens in the loss
-    if num_sequences is None or num_tokens is None:
-        own_seq, own_tok = loss_normalizers(mask, zero_std_flags, zero_std_mode=cfg.zero_std)
-        num_sequences = own_seq if num_sequences is None else num_sequences
-        num_tokens = own_tok if num_tokens is None else num_tokens
-    counts = Counts(num_sequences, num_tokens, logps.shape[1] if max_new_tokens is None else max_new_tokens)
+    if counts is None:
+        counts = Counts(*loss_normalizers(mask, zero_std_flags, zero_std_mode=cfg.zero_std), logps.shape[1])
 
     adv = advantages.detach().to(device=device, dtype=cdtype).unsqueeze(1)  # [B, 1]
     ratio = importance_ratio(logps, old_logps, valid, level=cfg.importance_sampling_level)  # [B, T]
@@ -198,7 +195,7 @@ def grpo_loss(
     per_token_loss = torch.where(valid, per_token_loss, torch.zeros_like(per_token_loss))  # [B, T]
 
     loss = variant.reduce(per_token_loss, valid, counts)  # []
-    stats = loss_stats(ratio, adv, kl, valid, zero_std_flags, clip_range(cfg), num_generations)
+    stats = loss_stats(ratio, adv, kl, valid, zero_std_flags, clip_range(cfg), b.num_generations)
     return loss, stats
 
 
