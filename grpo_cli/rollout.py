@@ -55,6 +55,9 @@ class Rollout:
     # S = 0 for a single-turn draw, which has none (is_episode).
     episode_stats: torch.Tensor
     env_reward: torch.Tensor  # [N] float: the environment's own reward, NaN for none
+    # The names of episode_stats' S columns (the episode loop's counters, then the environment's
+    # own declared metrics); () for a single-turn draw.
+    stat_names: tuple[str, ...] = ()
 
     def __post_init__(self):
         N, C = self.completion_ids.shape
@@ -65,6 +68,10 @@ class Rollout:
                 raise ValueError(f"Rollout.{name} is {tuple(getattr(self, name).shape)}, expected {(N, C)}")
         if self.episode_stats.shape[0] != N or tuple(self.env_reward.shape) != (N,):
             raise ValueError(f"Rollout: episode_stats and env_reward must have the {N} rows")
+        if self.episode_stats.shape[1] != len(self.stat_names):
+            raise ValueError(
+                f"Rollout: episode_stats has {self.episode_stats.shape[1]} columns for the names {self.stat_names}"
+            )
         if bool((self.trained_mask.bool() & ~self.attention_mask.bool()).any()):
             raise ValueError(
                 "Rollout: a trained token must be attended to (trained_mask within attention_mask)"
@@ -157,7 +164,7 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
     G = {r.num_generations for r in rollouts}
     if len(G) != 1:
         raise ValueError(f"concat: rollouts of different num_generations {sorted(G)}")
-    if len({r.episode_stats.shape[1] for r in rollouts}) != 1:
+    if len({r.stat_names for r in rollouts}) != 1:
         raise ValueError("concat: single-turn rollouts and episodes (or episodes of different counters)")
     P = max(r.prompt_ids.shape[1] for r in rollouts)
     C = max(r.completion_ids.shape[1] for r in rollouts)
@@ -180,6 +187,7 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         roles=torch.cat([pad(r.roles, C, ROLE_CODES["padding"], False) for r in rollouts]),
         episode_stats=torch.cat([r.episode_stats for r in rollouts]),
         env_reward=torch.cat([r.env_reward for r in rollouts]),
+        stat_names=rollouts[0].stat_names,
     )
 
 

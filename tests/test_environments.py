@@ -363,6 +363,42 @@ def test_an_environment_that_raises_is_one_paragraph_or_a_masked_episode(tiny_mo
     assert episode_metrics(r)["env/errors"] == 1.0
 
 
+class Counting:
+    """Declares its own metric: `asked`, one per turn the environment answers."""
+
+    stop = ["!"]
+    metrics = ("asked",)
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return Reply("and?", metrics={"asked": 1})
+
+
+class Undeclared(Counting):
+    metrics = ()
+
+
+def test_an_environment_declares_its_own_metrics(tiny_model):
+    """The episode loop reads the metric names an environment declares (its `metrics`), sums each
+    reply's values over the episode and logs env/<name> as the mean per episode; a reply with a
+    name it did not declare is one paragraph naming the fix."""
+    _, tok = tiny_model
+    script = ["go!"]  # (reply marker "%%": never in the sequence, every turn is turn 0)
+    cfg = EnvironmentConfig(fn="test_environments:Counting", max_turns=3)
+    r = _episodes(ScriptedSampler(tok, script, "%%"), tok, cfg).draw(
+        _examples(tok), seeds=[0, 1], num_generations=2
+    )
+    assert r.stat_names[-1] == "asked"
+    metrics = episode_metrics(r)
+    assert metrics["env/asked"] == 3.0 == metrics["env/turns"]  # each turn stepped (the last reply unsent)
+    with pytest.raises(UserError, match="reports the metric 'asked', which the environment does not declare"):
+        _episodes(
+            ScriptedSampler(tok, script, "%%"), tok, replace(cfg, fn="test_environments:Undeclared")
+        ).draw(_examples(tok), seeds=[0, 1], num_generations=2)
+
+
 # ----------------------------------------------------------------------------- real sampling
 
 

@@ -5,6 +5,10 @@ An environment is any object with this small interface (a user's by import path,
 
     stop: list[str]                 optional: strings that end the model's turn besides its end of
                                     turn (a tool's closing tag); the tokens stay as sampled
+    metrics: tuple[str, ...]        optional: the names of its own per-episode metrics, whose
+                                    values its replies carry (Reply.metrics, summed over the
+                                    episode's turns) and the run logs as env/<name>, the mean
+                                    per episode
     reset(row) -> messages | None   row: the example's columns and its `prompt`. Messages replace
                                     the prompt (rendered like the data's, data.system_prompt and
                                     all); None keeps it. Called once per prompt: its G episodes
@@ -35,8 +39,8 @@ import importlib
 import inspect
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_cli import calls
@@ -54,6 +58,9 @@ class Reply:
     error: bool = (
         False  # counted: the call failed (unknown tool, bad arguments, the tool raised or timed out)
     )
+    # Its own metrics' values for this turn (names from the environment's declared `metrics`),
+    # summed over the episode: {"attempts": 1}.
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 def call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str):

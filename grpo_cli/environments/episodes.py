@@ -89,21 +89,30 @@ class RolloutPath:
 class EpisodeRules:
     """How an environment's episodes run and end, read by the loop: at most max_turns turns of
     at most max_new_tokens each; a reply cut at max_reply_tokens (counted); `budget` completion-
-    side tokens in all (a turn or a reply that reaches it truncates the episode); and the strings
-    that end the model's turn besides its end of turn (the environment's `stop`)."""
+    side tokens in all (a turn or a reply that reaches it truncates the episode); the strings
+    that end the model's turn besides its end of turn (the environment's `stop`); and the names
+    of the environment's own per-episode metrics (its `metrics`), which its replies carry."""
 
     max_turns: int
     max_new_tokens: int
     max_reply_tokens: int
     budget: int
     stop: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
 
     @classmethod
     def declared(cls, cfg, max_new_tokens: int, env=None) -> EpisodeRules:
-        """cfg: config.EnvironmentConfig; env: an environment, whose optional `stop` is read."""
+        """cfg: config.EnvironmentConfig; env: an environment, whose optional `stop` and
+        `metrics` are read (the environment interface declares both, with a default)."""
         budget = cfg.max_episode_tokens or cfg.max_turns * (max_new_tokens + cfg.max_reply_tokens)
         stop = tuple(getattr(env, "stop", None) or ())
-        return cls(cfg.max_turns, max_new_tokens, cfg.max_reply_tokens, budget, stop)
+        metrics = tuple(str(name) for name in getattr(env, "metrics", None) or ())
+        return cls(cfg.max_turns, max_new_tokens, cfg.max_reply_tokens, budget, stop, metrics)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The rollout's episode_stats columns: the loop's counters, then the environment's metrics."""
+        return (*STAT_COLUMNS, *self.metrics)
 
 
 @dataclass
@@ -119,6 +128,7 @@ class _Episode:
     truncated: bool = False
     done: bool = False
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_COLUMNS, 0))
+    metrics: dict = field(default_factory=dict)  # the environment's own (Reply.metrics), summed
 
     def join(self, ids: list[int], logps: list[float], role: str) -> None:
         """Tokens onto the completion side: sampled (the assistant's, trained) or written."""
@@ -206,7 +216,7 @@ class Episodes:
             if not live:
                 break
         env_reward = [self._episode_reward(e) for e in episodes]
-        return self._rollout(prompts, episodes, G, env_reward)
+        return self._rollout(prompts, episodes, G, env_reward, rules.metrics)
 
     def _start(self, examples, G: int) -> tuple[list[_Episode], list[list[int]]]:
         """Each example's environment, made and reset once, copied for its G episodes; its prompt."""
@@ -244,6 +254,7 @@ class Episodes:
         reply = self._reply(value, e)
         e.stats["tool_calls"] += reply.tool_call
         e.stats["tool_errors"] += reply.error
+        self._count(reply, rules, e)
         if reply.done or reply.content is None:
             e.done = True
             return False
@@ -260,6 +271,17 @@ class Episodes:
         e.join(tokens, [], "tool" if not ended or reply.role == "tool" else "user")
         return True
 
+    def _count(self, reply: Reply, rules: EpisodeRules, e: _Episode) -> None:
+        """The reply's own metrics onto the episode's sums; a name it did not declare is refused."""
+        for name, value in reply.metrics.items():
+            if name not in rules.metrics:
+                raise UserError(
+                    f"environment {self.rendering.describe}: a reply reports the metric {name!r}, which the "
+                    f"environment does not declare (its metrics: {list(rules.metrics)}); add it to the "
+                    "environment's `metrics` attribute, e.g. metrics = ('attempts',)."
+                )
+            e.metrics[name] = e.metrics.get(name, 0.0) + float(value)
+
     def _episode_reward(self, e: _Episode) -> float:
         fn = getattr(e.env, "reward", None)
         if e.failed or fn is None:
@@ -270,7 +292,7 @@ class Episodes:
             return float("nan")
         return float("nan") if value is None else float(value)
 
-    def _rollout(self, prompts, episodes: list[_Episode], G: int, env_reward) -> Rollout:
+    def _rollout(self, prompts, episodes: list[_Episode], G: int, env_reward, metrics=()) -> Rollout:
         N = len(episodes)
         C = max(1, max(len(e.ids) for e in episodes))
         ids = torch.full((N, C), self.pad_id, dtype=torch.long)
@@ -296,9 +318,14 @@ class Episodes:
             sampler_logps=logps,
             roles=roles,
             episode_stats=torch.tensor(
-                [[e.stats[k] for k in STAT_COLUMNS] for e in episodes], dtype=torch.float32
+                [
+                    [e.stats[k] for k in STAT_COLUMNS] + [e.metrics.get(k, 0.0) for k in metrics]
+                    for e in episodes
+                ],
+                dtype=torch.float32,
             ),
             env_reward=torch.tensor(env_reward, dtype=torch.float32),
+            stat_names=(*STAT_COLUMNS, *metrics),
         )
 
 
@@ -330,11 +357,12 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
     the mean turns, tool calls and tool errors; the share of episodes that called a tool at least
     once (tool_call_rate), that a token budget ended (truncated), that ran out of turns, that
     failed (environment.on_error=mask) or had a reply cut; the share of completion-side tokens
-    the environment wrote."""
+    the environment wrote; and each of the environment's own metrics (its declared `metrics`), the
+    mean per episode."""
     if not rollout.is_episode:
         return {}
     stats = rollout.episode_stats.float()  # [N, S]
-    col = {name: stats[:, i] for i, name in enumerate(STAT_COLUMNS)}
+    col = {name: stats[:, i] for i, name in enumerate(rollout.stat_names)}
     attended = float(rollout.attention_mask.sum())
     written = float((rollout.attention_mask.bool() & ~rollout.trained_mask.bool()).sum())
     failed = col["errors"] > 0
@@ -348,4 +376,5 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
         "env/errors": float(failed.float().mean()),
         "env/replies_cut": float((col["replies_cut"] > 0).float().mean()),
         "env/env_token_share": written / max(attended, 1.0),
+        **{f"env/{name}": float(col[name].mean()) for name in rollout.stat_names[len(STAT_COLUMNS) :]},
     }

@@ -16,7 +16,10 @@ TRY_AGAIN = "That is not right. Try again, and answer with only the number."
 
 
 class Feedback:
-    """One environment per episode (copied for the G episodes of a prompt)."""
+    """One environment per episode (copied for the G episodes of a prompt). Its own metric:
+    first_try, logged as env/first_try, the share of episodes right at the first attempt."""
+
+    metrics = ("first_try",)
 
     def __init__(self, answer_column: str = "answer", message: str = TRY_AGAIN):
         self.answer_column = answer_column
@@ -38,7 +41,7 @@ class Feedback:
         self.attempts += 1
         self.correct = accuracy([text], answer=[self.gold], timeout_s=None)[0] == 1.0
         if self.correct:
-            return Reply(done=True)
+            return Reply(done=True, metrics={"first_try": float(self.attempts == 1)})
         return Reply(self.message, role="user")
 
     def reward(self) -> float:
