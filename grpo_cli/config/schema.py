@@ -264,6 +264,11 @@ class EnvironmentConfig:
     # writes (<name>argument</name>). One or the other; the presets: calculator, feedback.
     fn: Optional[str] = None
     tools: List[str] = field(default_factory=list)
+    # The shape of environment.fn's class: native, grpo-cli's (reset(row) -> messages | None,
+    # step(text) -> Reply | str | None); trl, a TRL environment_factory class (reset(**row) ->
+    # str | None, its public methods the tools, get_reward()), one instance per episode; never
+    # guessed from the object (an error suggests a style where a class has another's methods).
+    style: str = "native"
     # How tools are called: tag, a tag the model writes (<calc>12-17</calc>), with any chat template
     # (SmolLM2's renders role and content only); native, the chat template's own tool protocol
     # (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen2.5's and most others'), for a

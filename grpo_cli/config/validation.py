@@ -36,6 +36,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "data.long_prompts": LONG_PROMPT_RULES,
         "environment.on_error": ("raise", "mask"),
         "environment.protocol": ("tag", "native"),
+        "environment.style": ("native", "trl"),
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
         "loss.scale_rewards": loss.SCALE_REWARDS,

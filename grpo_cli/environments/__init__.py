@@ -11,13 +11,16 @@ An environment is any object with this small interface (a user's by import path,
                                     per episode
     reset(row) -> messages | None   row: the example's columns and its `prompt`. Messages replace
                                     the prompt (rendered like the data's, data.system_prompt and
-                                    all); None keeps it. Called once per prompt: its G episodes
-                                    are copies of that one state (copy.deepcopy).
+                                    all); None keeps it. Each episode has its own environment,
+                                    made by the factory and reset with the row.
+    close() -> None                 optional: called after the episode, however it ended
     step(text) -> Reply | str | None
                                     the model's turn, as text; what the environment says back
                                     (a str: a reply; None: the episode is done)
     reward() -> float | None        optional: the episode's own reward, given to the rewards as
                                     the `env_reward` column (the `environment` reward returns it)
+
+environment.style=trl takes a TRL environment_factory class instead (environments/trl_class.py).
 
 How a reply joins the token sequence (never a re-rendering of the history): after a turn that
 ended at one of `stop`, inline, right after the sampled tokens (the model goes on with its own
@@ -34,7 +37,6 @@ prompt lists the tools (their docstrings' first lines) and shows worked examples
 
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 import json
@@ -93,7 +95,9 @@ class ToolEnv:
         lines = ["You can use these tools. Write the call in tags; the result comes back in <result> tags."]
         for name, fn in self.tools.items():
             doc = (inspect.getdoc(fn) or "").strip().splitlines()
-            lines.append(f"<{name}>...</{name}>: {doc[0] if doc else name}")
+            params = _parameters(fn)
+            shown = "..." if len(params) <= 1 else "{" + ", ".join(f'"{p}": ...' for p in params) + "}"
+            lines.append(f"<{name}>{shown}</{name}>: {doc[0] if doc else name}")
         return "\n".join(lines)
 
     def demonstrations(self) -> list[dict]:
@@ -132,8 +136,15 @@ class ToolEnv:
         name, argument = call.group(1), call.group(2)
         if name not in self.tools:
             return Reply(f"<error>no tool named {name}</error>", role="tool", tool_call=True, error=True)
+        fn = self.tools[name]
         try:
-            value = call_with_timeout(self.tools[name], (argument,), self.timeout_s, f"tool {name}")
+            args, kwargs = tag_arguments(fn, argument)
+        except (ValueError, TypeError) as exc:  # the model sees its bad arguments, the run goes on
+            return Reply(
+                f"<error>bad arguments for {name}: {exc}</error>", role="tool", tool_call=True, error=True
+            )
+        try:
+            value = call_with_timeout(lambda: fn(*args, **kwargs), (), self.timeout_s, f"tool {name}")
         except Exception as exc:  # noqa: BLE001 - the model sees what went wrong, the run goes on
             return Reply(f"<error>{exc}</error>", role="tool", tool_call=True, error=True)
         return Reply(f"<result>{value}</result>", role="tool", tool_call=True)
@@ -160,6 +171,53 @@ class ToolEnv:
         except Exception as exc:  # noqa: BLE001 - the model sees what went wrong, the run goes on
             return Reply(f"error: {exc}", role="tool", tool_call=True, error=True)
         return Reply(str(value), role="tool", tool_call=True)
+
+
+def _parameters(fn: Callable) -> list[str]:
+    """A tool's parameter names (a bound method's without self)."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def tag_arguments(fn: Callable, argument: str) -> tuple[tuple, dict]:
+    """A tag call's arguments: the text itself for a tool of one parameter (`<calc>12-17</calc>`;
+    converted to the parameter's type where it is int, float or bool), a JSON object of named
+    arguments for a tool of several (`<add>{"a": 1, "b": 2}</add>`). ValueError or TypeError, for
+    the model to read, when they do not fit the signature."""
+    params = _parameters(fn)
+    text = argument.strip()
+    if len(params) > 1 or (text.startswith("{") and len(params) != 1):
+        try:
+            named = json.loads(text)
+        except json.JSONDecodeError as exc:
+            example = params[0] if params else "x"
+            raise ValueError(
+                f'write the arguments as a JSON object, e.g. {{"{example}": ...}} ({exc.msg})'
+            ) from None
+        if not isinstance(named, dict):
+            raise ValueError("write the arguments as a JSON object of name: value")
+        inspect.signature(fn).bind(**named)  # TypeError: a missing or unknown argument
+        return (), named
+    if not params:
+        return (), {}
+    kind = _annotation(fn, params[0])
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{params[0]} is true or false, not {text!r}")
+        return (text.lower() == "true",), {}
+    if kind in (int, float):
+        return (kind(text),), {}  # ValueError: not a number
+    return (argument,), {}
+
+
+def _annotation(fn: Callable, name: str):
+    """A parameter's type hint (resolved), or None."""
+    try:
+        return inspect.signature(fn, eval_str=True).parameters[name].annotation
+    except Exception:  # noqa: BLE001 - an unresolvable hint: the text is passed as it is
+        return None
 
 
 def tool_schema(fn: Callable) -> dict:
@@ -209,10 +267,17 @@ def environment_factory(cfg) -> Callable[[], Any] | None:
     """A function making a fresh environment for cfg (config.EnvironmentConfig), None when single-turn."""
     if cfg.fn:
         factory = load_object(cfg.fn, "environment.fn")
+        if cfg.style == "trl":
+            from grpo_cli.environments.trl_class import check_trl_class, trl_factory
+
+            for problem in check_trl_class(factory, cfg.fn):
+                raise UserError(problem)
+            return trl_factory(factory, cfg)
         if not callable(factory):
             raise UserError(
                 f"environment.fn={cfg.fn!r} is not a class or a function; it must make an environment."
             )
+        _suggest_style(factory, cfg.fn)
         return factory
     if cfg.tools:
         tools = [load_object(path, "environment.tools") for path in cfg.tools]
@@ -223,12 +288,32 @@ def environment_factory(cfg) -> Callable[[], Any] | None:
     return None
 
 
+def _suggest_style(factory, path: str) -> None:
+    """environment.style=native given a class shaped like TRL's (a reset, no step, public methods
+    as tools): one paragraph suggesting environment.style=trl (the style is never guessed)."""
+    if not isinstance(factory, type):
+        return
+    methods = dict(inspect.getmembers(factory, predicate=inspect.isfunction))
+    if "reset" in methods and "step" not in methods:
+        raise UserError(
+            f"environment.fn={path!r}: class {factory.__name__} has reset but no step, so it is not a "
+            "grpo-cli environment (reset(row), step(text)); if it is a TRL environment_factory class "
+            "(reset(**row), its public methods the tools, get_reward()), set environment.style=trl."
+        )
+
+
 def check_environment(env) -> list[str]:
     """environment.* (config validation): one of fn and tools, importable. env: the environment
     group (a sampler backend checks that an episode fits it: samplers/vllm.py)."""
     if not env.fn and not env.tools:
         return []
     problems = []
+    if env.style == "trl" and not env.fn:
+        problems.append(
+            f"environment.style=trl needs environment.fn, the TRL environment class by import path "
+            f"(environment.fn=my_pkg.envs:MyEnv); environment.tools={list(env.tools)} are plain functions "
+            "(the native style)."
+        )
     if env.fn and env.tools:
         problems.append(
             f"environment.fn={env.fn!r} and environment.tools={list(env.tools)} are both set; choose one "
@@ -241,8 +326,3 @@ def check_environment(env) -> list[str]:
     except UserError as exc:
         problems.append(str(exc))
     return problems
-
-
-def fresh_copies(env, n: int) -> list:
-    """n environments in the state `env` is in now (a prompt's G episodes start alike)."""
-    return [copy.deepcopy(env) for _ in range(n)]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_cli.environments import Reply, call_with_timeout, fresh_copies
+from grpo_cli.environments import Reply, call_with_timeout
 from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
 from grpo_cli.rollout import ROLE_CODES, Rollout, left_pad
@@ -189,21 +189,43 @@ class Episodes:
     # ------------------------------------------------------------------ the episodes
 
     def run(self, sampler: Sampler, examples, *, seeds, num_generations: int, greedy=False, ignore_eos=False):
-        """The G episodes of each example (data.Example), as one Rollout (rows grouped by example)."""
+        """The G episodes of each example (data.Example), as one Rollout (rows grouped by example).
+        Every episode's environment is closed at the end (close(), where it has one), however the
+        episodes ended."""
         G = num_generations
-        episodes, prompts = self._start(examples, G)
-        rules = EpisodeRules.declared(
-            self.cfg, self.max_new_tokens, next((e.env for e in episodes if e.env is not None), None)
-        )
-        session = sampler.session(prompts, G)  # turn 0: the sampler's plain call, G per prompt
+        episodes: list[_Episode] = []
+        try:
+            prompts = self._start(examples, G, episodes)
+            rules = EpisodeRules.declared(
+                self.cfg, self.max_new_tokens, next((e.env for e in episodes if e.env is not None), None)
+            )
+            shared = all(prompts[i] == prompts[i - i % G] for i in range(len(prompts)))
+            if shared:  # turn 0: the sampler's plain call, G per prompt
+                session = sampler.session(prompts[::G], G)
+            else:  # a group whose resets differ: each episode its own prompt and turn-0 seed
+                session = sampler.session(prompts, 1)
+                if seeds is not None:
+                    seeds = [turn_seed(seeds[n // G], n % G, 0) for n in range(len(prompts))]
+            self._turns(session, episodes, rules, seeds if shared else None, seeds, G, greedy, ignore_eos)
+            env_reward = [self._episode_reward(e) for e in episodes]
+        finally:
+            self._close(episodes)
+        return self._rollout(prompts, episodes, G, env_reward, rules.metrics)
+
+    def _turns(self, session, episodes, rules, prompt_seeds, row_seeds, G, greedy, ignore_eos) -> None:
+        """The episodes' turns, until every one has ended or max_turns. prompt_seeds: one per
+        prompt (turn 0 of a shared prompt); row_seeds: one per episode otherwise."""
         live = list(range(len(episodes)))
+        seeds = prompt_seeds if prompt_seeds is not None else row_seeds
         for turn in range(rules.max_turns):
             room = [rules.budget - len(episodes[n].ids) for n in live]
             turn_seeds = seeds
             if turn:
                 turn_seeds = None
-                if not greedy and seeds is not None:
-                    turn_seeds = [turn_seed(seeds[n // G], n % G, turn) for n in live]
+                if not greedy and prompt_seeds is not None:
+                    turn_seeds = [turn_seed(prompt_seeds[n // G], n % G, turn) for n in live]
+                elif not greedy and row_seeds is not None:
+                    turn_seeds = [turn_seed(row_seeds[n], 0, turn) for n in live]
             width = max(1, min(rules.max_new_tokens, max(room)))
             how = Turn(turn_seeds, greedy, ignore_eos, width, list(rules.stop))
             drawn = session.turn(live, [episodes[n].ids for n in live], how)
@@ -215,23 +237,47 @@ class Episodes:
             ]
             if not live:
                 break
-        env_reward = [self._episode_reward(e) for e in episodes]
-        return self._rollout(prompts, episodes, G, env_reward, rules.metrics)
 
-    def _start(self, examples, G: int) -> tuple[list[_Episode], list[list[int]]]:
-        """Each example's environment, made and reset once, copied for its G episodes; its prompt."""
-        episodes, prompts = [], []
+    def _start(self, examples, G: int, episodes: list[_Episode]) -> list[list[int]]:
+        """Each episode's environment, made fresh (the factory) and reset with its example's row,
+        added to `episodes` as it is made (so a failure closes those made); each episode's prompt."""
+        prompts = []
         for ex in examples:
-            first = _Episode(env=None, example=ex, index=0)
-            env = self._call(self.factory, (), "making the environment", first)
             row = {"prompt": ex.prompt, **ex.columns}
-            messages = env if isinstance(env, _Failed) else self._call(env.reset, (row,), "reset(row)", first)
-            failed = isinstance(messages, _Failed)
-            tools = None if failed else getattr(env, "template_tools", None)
-            prompts.append(self.rendering.prompt_ids(ex, None if failed else messages, tools))
-            copies = fresh_copies(env, G) if not failed else [None] * G
-            episodes += [_Episode(env=c, example=ex, index=i, failed=failed) for i, c in enumerate(copies)]
-        return episodes, prompts
+            for i in range(G):
+                e = _Episode(env=None, example=ex, index=i)
+                episodes.append(e)
+                env = self._call(self.factory, (), "making the environment", e)
+                messages = (
+                    env if isinstance(env, _Failed) else self._call(env.reset, (dict(row),), "reset(row)", e)
+                )
+                e.env, e.failed = (None if isinstance(env, _Failed) else env), isinstance(messages, _Failed)
+                tools = None if e.failed else getattr(env, "template_tools", None)
+                prompts.append(self.rendering.prompt_ids(ex, None if e.failed else messages, tools))
+        return prompts
+
+    def _close(self, episodes: list[_Episode]) -> None:
+        """close() each episode's environment that has one; the first failure is raised after all
+        were closed (under on_error=mask, counted as the episode's error instead)."""
+        first = None
+        for e in episodes:
+            close = getattr(type(e.env), "close", None) if e.env is not None else None
+            if close is None:
+                continue
+            try:
+                call_with_timeout(e.env.close, (), self.cfg.timeout_s, "close()")
+            except Exception as exc:  # noqa: BLE001 - every environment is closed; then the first raised
+                if self.cfg.on_error == "mask":
+                    e.failed = True
+                elif first is None:
+                    first = (e, exc)
+        if first is not None:
+            e, exc = first
+            raise UserError(
+                f"environment {self.rendering.describe}: close() raised {type(exc).__name__}: {exc} (episode "
+                f"{e.index} of the prompt {str(e.example.prompt)[:100]!r}). Fix the environment, or set "
+                "environment.on_error=mask to leave such an episode out of the loss and go on."
+            ) from exc
 
     def _play(
         self, e: _Episode, drawn, room: int, rules: EpisodeRules, *, last: bool, ignore_eos: bool
@@ -306,11 +352,11 @@ class Episodes:
             logps[n, :L] = torch.tensor(e.logps) * (0 if e.failed else 1)
             roles[n, :L] = torch.tensor(e.roles, dtype=torch.long)
             e.stats["errors"] = int(e.failed)
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, "cpu")
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, "cpu")  # [N, P]: one per episode
         return Rollout(
             num_generations=G,
-            prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
             completion_ids=ids,
             attention_mask=attention,
             trained_mask=trained,

@@ -30,8 +30,12 @@ def score_tokens(
 
     prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/attention_mask [B, C] are
     right-padded (rollout.Rollout). num_generations: the rows' group size (one prompt per G
-    consecutive rows), whose prompt runs once under options.shared_prompt."""
-    group_size = num_generations if options.shared_prompt else 1
+    consecutive rows), whose prompt runs once under options.shared_prompt, where every group's
+    rows do share one prompt (an environment whose resets differ within a group gives its
+    episodes prompts of their own: those rows then run whole)."""
+    group_size = (
+        num_generations if options.shared_prompt and groups_share_prompts(prompt_ids, num_generations) else 1
+    )
     args = (model, prompt_ids, prompt_mask, completion_ids, attention_mask, group_size)
     if options.chunk_size != 0 and chunkable(model):
         with hidden_states_out(model) as out:
@@ -101,3 +105,12 @@ class TokenLogprobs(torch.nn.Module):
         return score_tokens(
             self.model, prompt_ids, prompt_mask, completion_ids, attention_mask, self.options, num_generations
         )  # TokenScores: [b, C] each
+
+
+def groups_share_prompts(prompt_ids: torch.Tensor, G: int) -> bool:
+    """Whether each group of G consecutive rows of prompt_ids [B, P] holds one prompt (the
+    left-padded ids equal: the masks then are too)."""
+    B, P = prompt_ids.shape
+    if G <= 1 or B % G:
+        return True  # (rows that are not whole groups: _forward_logits refuses them)
+    return bool((prompt_ids.view(B // G, G, P) == prompt_ids[::G].unsqueeze(1)).all())

@@ -1,0 +1,184 @@
+"""TRL's environment classes as they are (environment.style=trl, grpo_cli/environments/trl_class.py):
+the class TRL 1.16's GRPOTrainer takes as `environment_factory` (its documented shape: a callable
+reset returning None or a string appended to the last user message, public methods as tools,
+an optional get_reward) runs unchanged: one instance per episode, reset(**row), its methods
+called as tools (typed arguments, bad ones a tool error the model reads), get_reward as the
+environment's reward, close() after the episode; a group whose resets differ gets prompts of its
+own, and the shared-prompt forward falls back for it with the same log-probs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_environments import EOS_TEMPLATE, ScriptedSampler, _episodes, _examples
+
+from grpo_cli.config.schema import EnvironmentConfig
+from grpo_cli.logprobs import ScoringOptions, score_tokens
+from grpo_cli.logprobs.score import groups_share_prompts
+
+CLOSED: list[int] = []
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The built-in tiny model and its tokenizer with a chat template whose turns end at EOS."""
+    from grpo_cli.models import load_model, load_tokenizer, resolve_source
+
+    src = resolve_source("builtin:tiny")
+    tok = load_tokenizer(src)
+    tok.chat_template = EOS_TEMPLATE
+    torch.manual_seed(0)
+    return load_model(src, device=torch.device("cpu")), tok
+
+
+class Counter:
+    """A counter the model moves with its tools, in TRL's environment_factory shape."""
+
+    def __init__(self):
+        self.count = 0
+        self.target = None
+
+    def reset(self, **kwargs) -> str | None:
+        self.count = 0
+        self.target = int(kwargs["answer"])
+        return f" Reach {self.target}."
+
+    def increment(self, step: int) -> str:
+        """Add to the counter.
+
+        Args:
+            step: how much to add
+        """
+        self.count += step
+        return str(self.count)
+
+    def add_pair(self, a: int, b: int) -> str:
+        """Add two numbers to the counter.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        self.count += a + b
+        return str(self.count)
+
+    def get_reward(self) -> float:
+        return float(self.count == self.target)
+
+    def close(self) -> None:
+        CLOSED.append(id(self))
+
+
+_serial = itertools.count()
+
+
+class Unique:
+    """Each instance's reset says something of its own: a group's prompts differ."""
+
+    def reset(self, **kwargs) -> str:
+        return f" Case {next(_serial)}."
+
+
+class NoReset:
+    def increment(self, step: int) -> str:
+        return str(step)
+
+
+class NativeShaped:
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return None
+
+
+def test_a_trl_class_runs_unchanged(tiny_model):
+    """One instance per episode, reset(**row) appended to the last user message, the tag protocol
+    with a typed argument and a JSON object of two, a bad call answered as a tool error, the
+    reward from get_reward and every instance closed."""
+    _, tok = tiny_model
+    CLOSED.clear()
+    # (ScriptedSampler: turn t writes script[t], t the results so far; after the error reply the
+    # count stays, so the bad call comes again until max_turns: the episode went on after it.)
+    script = [
+        "<increment>2</increment>",
+        '<add_pair>{"a": 1, "b": 2}</add_pair>',
+        '<add_pair>{"a": 1}</add_pair>',  # a missing argument: a tool error the model reads
+    ]
+    cfg = EnvironmentConfig(fn="test_trl_environments:Counter", style="trl", max_turns=4)
+    examples = _examples(tok)  # answers 5 and 3
+    r = _episodes(ScriptedSampler(tok, script, "</result>"), tok, cfg, max_new_tokens=40).draw(
+        examples, seeds=[0, 1], num_generations=2
+    )
+    assert len(CLOSED) == 4 and len(set(CLOSED)) == 4  # 2 prompts x G=2, each its own instance
+    prompt = tok.decode(r.prompt_ids[0][r.prompt_mask[0].bool()])
+    assert "What is 2 plus 3? Reach 5." in prompt and "<increment>" in prompt  # tools listed
+    text = tok.decode(r.completion_ids[0][r.attention_mask[0].bool()])
+    assert "<result>2</result>" in text and "<result>5</result>" in text
+    assert "bad arguments for add_pair" in text
+    # The counter reached 5: right for the first prompt (answer 5), wrong for the second (3).
+    assert r.env_reward.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_group_whose_resets_differ_gets_prompts_of_its_own(tiny_model):
+    """Resets that differ within a group: each episode keeps its own prompt, and the shared-prompt
+    forward falls back to whole rows for them, with the log-probs of scoring every row alone."""
+    model, tok = tiny_model
+    cfg = EnvironmentConfig(fn="test_trl_environments:Unique", style="trl", max_turns=1)
+    r = _episodes(ScriptedSampler(tok, ["fine</s>"], "%%"), tok, cfg).draw(
+        _examples(tok), seeds=[0, 1], num_generations=2
+    )
+    texts = [tok.decode(r.prompt_ids[n][r.prompt_mask[n].bool()]) for n in range(4)]
+    assert len(set(texts)) == 4 and not groups_share_prompts(r.prompt_ids, 2)
+    shared = score_tokens(model, *r.inputs(), ScoringOptions(1.0, shared_prompt=True), num_generations=2)
+    alone = score_tokens(model, *r.inputs(), ScoringOptions(1.0, shared_prompt=False), num_generations=2)
+    assert torch.equal(shared.logps, alone.logps)
+
+
+@pytest.mark.parametrize(
+    "fn, style, expected",
+    [
+        ("test_trl_environments:NoReset", "trl", "class NoReset has no reset method"),
+        ("test_trl_environments:Counter", "native", "set environment.style=trl"),
+    ],
+)
+def test_a_class_of_the_other_style_is_one_paragraph(compose, fn, style, expected):
+    from grpo_cli.config import validate
+
+    problems = validate(compose([f"environment.fn={fn}", f"environment.style={style}"]))
+    assert len(problems) == 1 and expected in problems[0] and "\n" not in problems[0], problems
+
+
+def test_the_native_style_still_takes_its_own_shape(compose):
+    from grpo_cli.config import validate
+
+    assert validate(compose(["environment.fn=test_trl_environments:NativeShaped"])) == []
+    problems = validate(
+        compose(["environment.style=trl", "environment.tools=[grpo_cli.environments.calculator:calc]"])
+    )
+    assert any("environment.style=trl needs environment.fn" in p for p in problems)
+
+
+def test_grpo_train_runs_a_trl_class_with_its_reward(tmp_path):
+    """End to end on the tiny model: a TRL class from YAML, its get_reward through the
+    `environment` reward, logged each step."""
+    import json
+
+    from conftest import grpo, tiny
+
+    args = tiny(
+        "environment.fn=test_trl_environments:Counter",
+        "environment.style=trl",
+        "environment.max_turns=2",
+        "reward=[accuracy,environment]",
+        "trainer.max_steps=2",
+        "trainer.prompts_per_step=2",
+        "hydra.run.dir=run",
+    )
+    res = grpo(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 2 and all("rewards/environment/mean" in r and "env/turns" in r for r in steps)
