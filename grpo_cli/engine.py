@@ -353,6 +353,7 @@ def _completion_records(
         lengths=r.lengths[:n].tolist(),
         truncated=r.truncated[:n].tolist(),
         zero_std=batch.zero_std[:n].tolist(),
+        extra={name: list(column[:n]) for name, column in sampled.train.extra.items()},
     )
     return step_records(step, completions, batch.num_generations)
 

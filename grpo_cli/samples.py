@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class Completions:
     lengths: list[int]  # in tokens
     truncated: list[bool]  # no EOS within sampler.max_new_tokens
     zero_std: list[bool]  # its group had no learning signal
+    # Columns rewards logged with TRL's log_extra, one value per completion (a record's "extra").
+    extra: dict[str, list] = field(default_factory=dict)
 
 
 def step_records(step: int, completions: Completions, num_generations: int) -> list[dict[str, Any]]:
@@ -52,6 +54,7 @@ def step_records(step: int, completions: Completions, num_generations: int) -> l
             "length": c.lengths[i],
             "truncated": c.truncated[i],
             "zero_std": c.zero_std[i],
+            **({"extra": {name: values[i] for name, values in c.extra.items()}} if c.extra else {}),
         }
         for i in range(len(c.texts))
     ]

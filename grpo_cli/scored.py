@@ -40,6 +40,9 @@ class Scored:
     counters: Mapping[str, float] = field(default_factory=dict)
     # What rewards logged with TRL's log_metric: every call's value, by name.
     logged: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    # What rewards logged with TRL's log_extra: a column of completions.jsonl, one value per row
+    # (N), by name; rows follow select and concat.
+    extra: Mapping[str, tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         N = self.rollout.completion_ids.shape[0]
@@ -47,6 +50,9 @@ class Scored:
         for name, shape in [*shapes.items(), ("prompt_index", (N,))]:
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"Scored.{name}: shape {tuple(getattr(self, name).shape)}, expected {shape}")
+        for name, column in self.extra.items():
+            if len(column) != N:
+                raise ValueError(f"Scored.extra[{name!r}]: {len(column)} values for {N} rows")
 
     @property
     def num_generations(self) -> int:
@@ -82,6 +88,7 @@ def select(record: Scored, rows: torch.Tensor, num_generations: int | None = Non
         rollout=select_rollout(record.rollout, rows, num_generations),
         counters={},
         logged={},
+        extra={name: tuple(column[i] for i in rows.tolist()) for name, column in record.extra.items()},
         **_tensors(record, lambda t: t[rows.to(t.device)]),
     )
 
@@ -101,6 +108,11 @@ def concat(records: Sequence[Scored], pad_id: int) -> Scored:
             counters[key] = counters.get(key, 0.0) + value
         for key, values in r.logged.items():
             logged[key] = logged.get(key, ()) + tuple(values)
+    columns = dict.fromkeys(name for r in records for name in r.extra)
+    extra = {
+        name: tuple(v for r in records for v in r.extra.get(name, (None,) * len(r.totals)))
+        for name in columns
+    }
     return Scored(
         rollout=concat_rollouts([r.rollout for r in records], pad_id),
         names=names.pop(),
@@ -111,6 +123,7 @@ def concat(records: Sequence[Scored], pad_id: int) -> Scored:
         prompt_index=torch.cat([r.prompt_index for r in records]),
         counters=counters,
         logged=logged,
+        extra=extra,
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from grpo_cli.rewards import RewardError, build_rewards, score_rewards
 from grpo_cli.rewards._calling import by_keyword
-from grpo_cli.rewards.scoring import TrainerProgress
+from grpo_cli.rewards.scoring import Logs, TrainerProgress
 
 
 def _score(rewards: dict, completions, **kw):
@@ -53,10 +53,10 @@ def test_trainer_state_carries_the_step_and_max_steps():
 
 
 def test_log_metric_values_are_collected():
-    logged: dict = {}
-    _score({"mine": {"fn": "trl_style_rewards:logs_a_metric"}}, ["ab", "abcd"], logged=logged)
-    _score({"mine": {"fn": "trl_style_rewards:logs_a_metric"}}, ["abcdef"], logged=logged)
-    assert logged == {"mean_chars": [3.0, 6.0]}
+    logs = Logs()
+    _score({"mine": {"fn": "trl_style_rewards:logs_a_metric"}}, ["ab", "abcd"], logs=logs)
+    _score({"mine": {"fn": "trl_style_rewards:logs_a_metric"}}, ["abcdef"], logs=logs)
+    assert logs.metrics == {"mean_chars": [3.0, 6.0]}
 
 
 def test_none_means_not_applicable_and_the_other_rewards_count():
@@ -77,14 +77,20 @@ def test_a_positional_reward_keeps_grpo_clis_call():
     assert per["mine"] == [2.0, 3.0]
 
 
-def test_a_reward_requiring_log_extra_is_refused_before_the_run():
-    with pytest.raises(RewardError, match="requires log_extra"):
-        build_rewards({"mine": {"fn": "trl_style_rewards:needs_log_extra"}})
+def test_log_extra_columns_are_collected_one_value_per_completion():
+    """TRL's log_extra(column, values): a column of the logged completions; a list of the wrong
+    length is one paragraph naming the reward."""
+    logs = Logs()
+    _score({"mine": {"fn": "trl_style_rewards:needs_log_extra"}}, ["ab", "abcd"], logs=logs)
+    assert logs.extra == {"chars": [2, 4]}
+    with pytest.raises(RewardError, match="log_extra\\('chars', ...\\) with 1 values for the 2 completions"):
+        _score({"mine": {"fn": "trl_style_rewards:bad_log_extra"}}, ["ab", "abcd"], logs=Logs())
 
 
-def test_log_metric_cannot_reach_worker_processes():
-    with pytest.raises(RewardError, match="log_metric.*cannot reach worker processes"):
-        build_rewards({"mine": {"fn": "trl_style_rewards:logs_a_metric", "workers": 2}})
+@pytest.mark.parametrize("fn, name", [("logs_a_metric", "log_metric"), ("needs_log_extra", "log_extra")])
+def test_trl_logging_cannot_reach_worker_processes(fn, name):
+    with pytest.raises(RewardError, match=f"{name}.*cannot reach worker processes"):
+        build_rewards({"mine": {"fn": f"trl_style_rewards:{fn}", "workers": 2}})
 
 
 def test_worker_processes_call_a_trl_reward_by_keyword():
@@ -117,7 +123,8 @@ def test_trl_own_reward_functions_run_unchanged():
 @pytest.mark.slow
 def test_a_run_logs_a_trl_rewards_metric_and_its_progress(compose, tmp_path):
     """A tiny-model run of two steps: the TRL-form rewards run, log_metric's value is in the step's
-    metrics.jsonl row, and trainer_state's step advances (0, then 1)."""
+    metrics.jsonl row, log_extra's column in every logged completion, and trainer_state's step
+    advances (0, then 1)."""
     import json
 
     from grpo_cli.cli.train import train_config
@@ -128,6 +135,7 @@ def test_a_run_logs_a_trl_rewards_metric_and_its_progress(compose, tmp_path):
             "reward=[accuracy]",
             "+reward.logs.fn=trl_style_rewards:logs_a_metric",
             "+reward.progress.fn=trl_style_rewards:by_progress",
+            "+reward.extra.fn=trl_style_rewards:needs_log_extra",
             "sampler.num_generations=2",
             "sampler.max_new_tokens=4",
             "trainer.max_steps=2",
@@ -141,3 +149,5 @@ def test_a_run_logs_a_trl_rewards_metric_and_its_progress(compose, tmp_path):
     rows = [r for r in rows if "mean_chars" in r]
     assert len(rows) == 2 and all(r["mean_chars"] >= 0 for r in rows)
     assert [r["rewards/progress/mean"] for r in rows] == [0.0, 0.5]
+    records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert records and all(r["extra"]["chars"] == len(r["completion"]) for r in records)

@@ -56,4 +56,10 @@ def not_applicable_without_solution(prompts, completions, solution, **kwargs):
 
 
 def needs_log_extra(completions, log_extra, **kwargs):
+    log_extra("chars", [len(c) for c in completions])
+    return [0.0] * len(completions)
+
+
+def bad_log_extra(completions, log_extra, **kwargs):
+    log_extra("chars", [0])  # one value, whatever the number of completions
     return [0.0] * len(completions)

@@ -46,7 +46,7 @@ from typing import Any
 
 from grpo_cli.errors import UserError
 
-from ._calling import names_parameter, requires_parameter
+from ._calling import names_parameter
 from ._common import RewardError, completion_text, preview
 from ._text import clean_up_spaces, conversation, decode_completions
 from .base import ROLES, Reward, Rewards, RewardSpec
@@ -260,17 +260,12 @@ def _check_calls(problems: list[str], where: str, declared: Reward, workers: Any
             f"{where}.workers={workers}: this reward {kind}; worker processes run a plain synchronous "
             f"function given by import path. Remove {where}.workers"
         )
-    elif workers and declared.fn is not None and names_parameter(declared.fn, "log_metric"):
+    elif workers and declared.fn is not None and (taken := _process_callables(declared.fn)):
         problems.append(
-            f"{where}.workers={workers}: the function takes log_metric, a callable of the training process "
-            f"that cannot reach worker processes. Remove {where}.workers (the reward then runs in the "
-            "training process), or drop the parameter"
-        )
-    if declared.fn is not None and requires_parameter(declared.fn, "log_extra"):
-        problems.append(
-            f"{where}: the function requires log_extra (TRL's extra columns of the completions table), "
-            "which grpo-cli does not pass yet; give it a default (log_extra=None, as trl.rewards does) or "
-            "drop it, and log a scalar with log_metric instead"
+            f"{where}.workers={workers}: the function takes {' and '.join(taken)}, "
+            f"{'a callable' if len(taken) == 1 else 'callables'} of the training process that cannot reach "
+            f"worker processes. Remove {where}.workers (the reward then runs in the training process), "
+            "or drop the parameter"
         )
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
@@ -279,6 +274,12 @@ def _check_calls(problems: list[str], where: str, declared: Reward, workers: Any
             f"{where}.call_timeout_s={timeout!r}: give a number of seconds > 0 (or leave it unset: no limit)"
         )
     return len(problems) == before
+
+
+def _process_callables(fn) -> list[str]:
+    """TRL's logging callables a reward names (log_metric, log_extra): they live in the training
+    process and cannot reach a pool of worker processes."""
+    return [name for name in ("log_metric", "log_extra") if names_parameter(fn, name)]
 
 
 def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:

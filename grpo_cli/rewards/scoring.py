@@ -15,7 +15,7 @@ import numbers
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.calls import call_with_timeout
@@ -29,13 +29,22 @@ if TYPE_CHECKING:
     from grpo_cli.data import Example
 
 #: What TRL passes every reward beyond grpo-cli's own keywords: a reward called by keyword gets
-#: trainer_state and log_metric(name, value) (a scalar in the step's metrics.jsonl row, the mean of
-#: the step's values). TRL's log_extra (extra columns of its completions table) is not passed yet:
-#: a reward that gives it a default (trl.rewards' do) runs with that default.
+#: trainer_state, log_metric(name, value) (a scalar in the step's metrics.jsonl row, the mean of
+#: the step's values) and log_extra(column, values) (one value per completion of the call: a
+#: column of completions.jsonl, under "extra").
 TRL_ONLY_KWARGS = ("trainer_state", "log_metric", "log_extra")
 
 #: Keyword arguments the engine passes itself; options may not use these names.
 RESERVED_KWARGS = ("completions", "prompts", "completion_ids", "env_reward", *TRL_ONLY_KWARGS)
+
+
+@dataclass
+class Logs:
+    """What rewards called by keyword log through TRL's callables during scoring: log_metric's
+    values by name (metrics) and log_extra's columns, one value per completion (extra)."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,14 +119,31 @@ def _hung(spec: RewardSpec, exc: BaseException) -> RewardError:
     )
 
 
-def _metric_logger(logged: dict[str, list[float]] | None) -> Callable[[str, float], None]:
+def _metric_logger(logs: Logs | None) -> Callable[[str, float], None]:
     """TRL's log_metric(name, value): a scalar for the step's metrics (the mean of a step's values)."""
 
     def log_metric(name: str, value: float) -> None:
-        if logged is not None:
-            logged.setdefault(str(name), []).append(float(value))
+        if logs is not None:
+            logs.metrics.setdefault(str(name), []).append(float(value))
 
     return log_metric
+
+
+def _extra_logger(logs: Logs | None, n: int, name: str) -> Callable[[str, list], None]:
+    """TRL's log_extra(column, values): one value per completion of the call (n), a column of the
+    logged completions."""
+
+    def log_extra(column: str, values: list) -> None:
+        values = list(values)
+        if len(values) != n:
+            raise RewardError(
+                f"reward {name!r} called log_extra({column!r}, ...) with {len(values)} values for the {n} "
+                "completions it was given; give one value per completion."
+            )
+        if logs is not None:
+            logs.extra[str(column)] = values
+
+    return log_extra
 
 
 def _call(spec: RewardSpec, completions: list, kwargs: dict, data_keys: list[str]):
@@ -183,7 +209,7 @@ def score_rewards(
     env_reward: list | None = None,
     stats: dict[str, float] | None = None,
     progress: TrainerProgress | None = None,
-    logged: dict[str, list[float]] | None = None,
+    logs: Logs | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Call every reward once on the batch; return (weighted totals, raw values per reward).
 
@@ -194,8 +220,8 @@ def score_rewards(
     on_error=nan) makes the completion's total NaN: its group is then left out of the loss.
     `stats`, when given, gains per reward time/rewards/<name> (seconds), rewards/<name>/failures
     (its NaNs) and the counters of its pop_metrics(). A reward called by keyword (TRL's form,
-    by_keyword) also gets `trainer_state` (`progress`) and, in this process, `log_metric`, whose
-    values `logged` gains (name -> values).
+    by_keyword) also gets `trainer_state` (`progress`) and, in this process, `log_metric` and
+    `log_extra`, whose values `logs` gains.
     """
     n = len(completions)
     if not specs:
@@ -225,7 +251,8 @@ def score_rewards(
         if by_keyword(spec.fn):  # TRL's call: what TRL passes beyond grpo-cli's keywords
             kwargs["trainer_state"] = progress or TrainerProgress()
             if spec.pool is None:  # (a callable cannot reach worker processes: check_rewards refuses)
-                kwargs["log_metric"] = _metric_logger(logged)
+                kwargs["log_metric"] = _metric_logger(logs)
+                kwargs["log_extra"] = _extra_logger(logs, n, spec.name)
         tick = time.perf_counter()
         try:
             result = _call(spec, completions, kwargs, data_keys)
@@ -366,11 +393,11 @@ def score_examples(
     rollout,
     stats: dict | None = None,
     progress: TrainerProgress | None = None,
-    logged: dict[str, list[float]] | None = None,
+    logs: Logs | None = None,
 ):
     """Rewards of a rollout.Rollout whose rows are its num_generations completions per example, in
     order; returns (the completions' texts, weighted totals, values per reward). `stats`,
-    `progress`, `logged`: as in score_rewards."""
+    `progress`, `logs`: as in score_rewards."""
     num_generations = rollout.num_generations
     texts = decode_completions(tokenizer, rollout.completion_ids, rollout.attention_mask)
     columns: dict[str, list] = {}
@@ -400,7 +427,7 @@ def score_examples(
         env_reward=env_reward,
         stats=stats,
         progress=progress,
-        logged=logged,
+        logs=logs,
     )
     return texts, total, per_reward
 
@@ -409,15 +436,15 @@ def score(rewards, tokenizer, examples: list[Example], rollout, progress: Traine
     """A rollout whose rows are num_generations completions per example, in order, scored into one
     frozen record (scored.Scored): every reward's value, the weighted totals, the pass rule and the
     accuracy rule's rows, the rows' prompts (indices into `examples`), and the call's per-reward
-    time, counters and log_metric values. `progress`: the rewards' trainer_state."""
+    time, counters, log_metric values and log_extra columns. `progress`: the rewards' trainer_state."""
     import torch
 
     from grpo_cli.scored import Scored
 
     counters: dict[str, float] = {}
-    logged: dict[str, list[float]] = {}
+    logs = Logs()
     _, totals, per_reward = score_examples(
-        rewards, tokenizer, examples, rollout, stats=counters, progress=progress, logged=logged
+        rewards, tokenizer, examples, rollout, stats=counters, progress=progress, logs=logs
     )
     judge = next((spec.name for spec in rewards if spec.role == "correctness"), None)
     device, N = rollout.completion_ids.device, len(totals)
@@ -435,5 +462,6 @@ def score(rewards, tokenizer, examples: list[Example], rollout, progress: Traine
         ),
         prompt_index=torch.arange(len(examples), device=device).repeat_interleave(rollout.num_generations),
         counters=counters,
-        logged={name: tuple(v) for name, v in logged.items()},
+        logged={name: tuple(v) for name, v in logs.metrics.items()},
+        extra={name: tuple(v) for name, v in logs.extra.items()},
     )
