@@ -267,8 +267,17 @@ class EnvironmentConfig:
     # The shape of environment.fn's class: native, grpo-cli's (reset(row) -> messages | None,
     # step(text) -> Reply | str | None); trl, a TRL environment_factory class (reset(**row) ->
     # str | None, its public methods the tools, get_reward()), one instance per episode; never
-    # guessed from the object (an error suggests a style where a class has another's methods).
+    # guessed from the object (an error suggests a style where a class has another's methods);
+    # text_gym, a skyrl-gym BaseTextEnv (init(prompt), step(action) -> observations, reward, done),
+    # environment.fn its registered id (gsm8k, aime) or its class by import path.
     style: str = "native"
+    # style=text_gym: the env_config a skyrl-gym environment is constructed with (skyrl passes its
+    # per-environment config section, e.g. text2sql's db_file_path); empty: the env's defaults.
+    env_config: Dict[str, Any] = field(default_factory=dict)
+    # style=text_gym: the episode's environment reward from its per-turn step rewards: sum (default:
+    # skyrl's multi-turn envs give partial credit per turn, all of it counts) or last (the final
+    # turn's alone, for an env whose last reward already grades the whole episode).
+    reward_turns: str = "sum"
     # How tools are called: tag, a tag the model writes (<calc>12-17</calc>), with any chat template
     # (SmolLM2's renders role and content only); native, the chat template's own tool protocol
     # (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen2.5's and most others'), for a

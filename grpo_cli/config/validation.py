@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from grpo_cli.config.schema import (
     AdapterConfig,
     DataConfig,
+    EnvironmentConfig,
     LossConfig,
     SamplerConfig,
     TrainerConfig,
@@ -36,7 +37,8 @@ def choices() -> dict[str, tuple[str, ...]]:
         "data.long_prompts": LONG_PROMPT_RULES,
         "environment.on_error": ("raise", "mask"),
         "environment.protocol": ("tag", "native"),
-        "environment.style": ("native", "trl"),
+        "environment.style": ("native", "trl", "text_gym"),
+        "environment.reward_turns": ("sum", "last"),
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
         "loss.scale_rewards": loss.SCALE_REWARDS,
@@ -368,6 +370,7 @@ def unused_settings(cfg: Any) -> list[str]:
             "zero-std groups keep loss terms (the KL pull, or a weight) there, so they always go through "
             "the forward and backward; it applies to loss.zero_std=mask, otherwise drop it."
         )
+    problems += _unused_environment(cfg.environment)
     if a.name == "none":
         for key, value in _changed(a, AdapterConfig(), ("r", "alpha", "dropout", "target_modules", "init")):
             problems.append(
@@ -377,3 +380,15 @@ def unused_settings(cfg: Any) -> list[str]:
                 f"adapter.{key}."
             )
     return problems
+
+
+def _unused_environment(env: Any) -> list[str]:
+    """environment.env_config and reward_turns, read by environment.style=text_gym alone."""
+    if env.style == "text_gym":
+        return []
+    return [
+        f"environment.{key}={_shown(value)} is ignored with environment.style={env.style} (only a skyrl-gym "
+        "text environment reads it): choose environment.style=text_gym, otherwise drop "
+        f"environment.{key}."
+        for key, value in _changed(env, EnvironmentConfig(), ("env_config", "reward_turns"))
+    ]

@@ -20,7 +20,13 @@ An environment is any object with this small interface (a user's by import path,
     reward() -> float | None        optional: the episode's own reward, given to the rewards as
                                     the `env_reward` column (the `environment` reward returns it)
 
-environment.style=trl takes a TRL environment_factory class instead (environments/trl_class.py).
+environment.style=trl takes a TRL environment_factory class instead (environments/trl_class.py);
+environment.style=text_gym a skyrl-gym BaseTextEnv, by registered id or import path
+(environments/text_gym.py).
+
+A Reply's keep_text (a skyrl-gym postprocessed_action) cuts the turn's sampled tokens at the
+shortest prefix that decodes to it exactly; where none does, the turn is kept whole and counted
+as the metric ACTION_NOT_CUT, which such an environment declares in its `metrics`.
 
 How a reply joins the token sequence (never a re-rendering of the history): after a turn that
 ended at one of `stop`, inline, right after the sampled tokens (the model goes on with its own
@@ -63,6 +69,14 @@ class Reply:
     # Its own metrics' values for this turn (names from the environment's declared `metrics`),
     # summed over the episode: {"attempts": 1}.
     metrics: Mapping[str, float] = field(default_factory=dict)
+    # What of the turn's text the episode keeps (a strict prefix: a stop-string cut the environment
+    # made, skyrl-gym's postprocessed_action); its sampled tokens are cut there, token-exact. None:
+    # the turn as sampled.
+    keep_text: str | None = None
+
+
+#: The metric counting turns whose Reply.keep_text no prefix of the sampled tokens decodes to.
+ACTION_NOT_CUT = "action_not_cut"
 
 
 def call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str):
@@ -265,6 +279,10 @@ def load_object(path: str, what: str):
 
 def environment_factory(cfg) -> Callable[[], Any] | None:
     """A function making a fresh environment for cfg (config.EnvironmentConfig), None when single-turn."""
+    if cfg.fn and cfg.style == "text_gym":
+        from grpo_cli.environments.text_gym import text_gym_factory
+
+        return text_gym_factory(cfg)
     if cfg.fn:
         factory = load_object(cfg.fn, "environment.fn")
         if cfg.style == "trl":
@@ -308,11 +326,14 @@ def check_environment(env) -> list[str]:
     if not env.fn and not env.tools:
         return []
     problems = []
-    if env.style == "trl" and not env.fn:
+    if env.style in ("trl", "text_gym") and not env.fn:
+        what = {
+            "trl": "the TRL environment class by import path (environment.fn=my_pkg.envs:MyEnv)",
+            "text_gym": "a skyrl-gym environment id or BaseTextEnv class (environment.fn=gsm8k)",
+        }[env.style]
         problems.append(
-            f"environment.style=trl needs environment.fn, the TRL environment class by import path "
-            f"(environment.fn=my_pkg.envs:MyEnv); environment.tools={list(env.tools)} are plain functions "
-            "(the native style)."
+            f"environment.style={env.style} needs environment.fn, {what}; environment.tools="
+            f"{list(env.tools)} are plain functions (the native style)."
         )
     if env.fn and env.tools:
         problems.append(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_cli.environments import Reply, call_with_timeout
+from grpo_cli.environments import ACTION_NOT_CUT, Reply, call_with_timeout
 from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
 from grpo_cli.rollout import ROLE_CODES, Rollout, left_pad
@@ -301,6 +301,7 @@ class Episodes:
         e.stats["tool_calls"] += reply.tool_call
         e.stats["tool_errors"] += reply.error
         self._count(reply, rules, e)
+        written = [] if reply.keep_text is None else self._keep(e, ids, reply.keep_text, rules, ended)
         if reply.done or reply.content is None:
             e.done = True
             return False
@@ -308,6 +309,8 @@ class Episodes:
             e.stats["out_of_turns"] += 1
             return False
         tokens = self.rendering.reply_tokens(reply, ended_turn=ended)
+        if written:
+            tokens = [*written, *tokens]
         if len(tokens) > rules.max_reply_tokens:
             tokens = tokens[: rules.max_reply_tokens]
             e.stats["replies_cut"] += 1
@@ -316,6 +319,19 @@ class Episodes:
             return False
         e.join(tokens, [], "tool" if not ended or reply.role == "tool" else "user")
         return True
+
+    def _keep(self, e: _Episode, ids: list[int], keep: str, rules: EpisodeRules, ended: bool) -> list[int]:
+        """Reply.keep_text: the turn's sampled tokens (the last len(ids) joined) cut at the shortest
+        prefix decoding to it exactly, ids, log-probs, trained and roles alike; where none does,
+        kept whole and counted (ACTION_NOT_CUT). The tokens the reply then writes first: the
+        turn's end-of-turn token where the cut dropped it (the environment's, never trained)."""
+        n = self.rendering.kept_tokens(ids, keep)
+        if n is None:
+            self._count(Reply(metrics={ACTION_NOT_CUT: 1.0}), rules, e)
+            return []
+        drop = len(ids) - n  # >= 1: a cut that drops text
+        del e.ids[-drop:], e.trained[-drop:], e.logps[-drop:], e.roles[-drop:]
+        return [ids[-1]] if ended else []
 
     def _count(self, reply: Reply, rules: EpisodeRules, e: _Episode) -> None:
         """The reply's own metrics onto the episode's sums; a name it did not declare is refused."""

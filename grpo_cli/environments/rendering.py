@@ -67,6 +67,20 @@ class Rendering:
                 return ids[:j], True
         return ids, False
 
+    def kept_tokens(self, ids: list[int], keep: str) -> int | None:
+        """How many of a turn's tokens to keep for Reply.keep_text: the shortest prefix whose text
+        starts with `keep`, where that text is exactly `keep` and shorter than the turn's (a cut
+        that drops text); None where no prefix decodes to it exactly (a token straddles its end,
+        or `keep` is not a strict prefix of the turn's text)."""
+        text = self.text(ids)
+        if keep == text or not text.startswith(keep):
+            return None
+        for j in range(len(ids)):
+            head = self.text(ids[:j])
+            if head.startswith(keep):
+                return j if head == keep else None
+        return None
+
     def prompt_ids(self, example, messages, tools=None) -> list[int]:
         """The episode's prompt: the example's own, or the messages reset returned, rendered like
         the data's (with the tools a chat template lists, under environment.protocol=native)."""
