@@ -995,7 +995,8 @@ def test_reward_code_is_imported_only_from_an_explicit_fn(compose):
 
     from grpo_cli.rewards import REGISTRY, build_rewards
 
-    assert set(REGISTRY) == {"accuracy", "format", "judge", "length", "model"}  # no plugin discovery
+    built_ins = {"accuracy", "format", "judge", "length", "model", "reasoning_gym"}
+    assert set(REGISTRY) == built_ins  # no plugin discovery
     specs = build_rewards(OmegaConf.to_container(compose(["reward=[length]"]).reward))
     assert [s.fn.__module__ for s in specs] == ["grpo_cli.rewards.length"]
     # Behaviour: catalogue case R9 (a module named like the reward is on PYTHONPATH and in the

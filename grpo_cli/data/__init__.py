@@ -8,6 +8,7 @@ data.source=my_pkg.my_data) with a preset in conf/data/:
     arithmetic   the built-in generator (data/arithmetic.py)
     file         a local json/jsonl/csv/parquet file (data/file.py)
     hub          a Hugging Face hub dataset (data/hub.py)
+    reasoning_gym  reasoning-gym's procedural tasks (data/reasoning_gym.py, an optional extra)
 
 What this package asks of it: build(d, seed, options) -> (training rows, held-out rows), read
 and checked without a tokenizer (d: the data section; options: its own, from data.options, an
