@@ -18,7 +18,6 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.config import AdapterConfig
 from grpo_cli.errors import UserError, first_line
 
 ADAPTERS = ("none", "lora")
@@ -155,7 +154,7 @@ def check_target_modules(model, target_modules: list[str]) -> None:
         )
 
 
-def add_lora(model, adapter: AdapterConfig, *, quantized: bool = False, gradient_checkpointing: bool = False):
+def add_lora(model, adapter, *, quantized: bool = False, gradient_checkpointing: bool = False):
     """Fresh LoRA adapters on `model` (a loaded transformers model, its weights then frozen), as
     the adapter section says (r, alpha, dropout, target_modules, init). Adapter weights are fp32
     whatever the base's dtype (PEFT's autocast_adapter_dtype)."""

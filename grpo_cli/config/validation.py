@@ -293,10 +293,10 @@ def unused_settings(cfg: Any) -> list[str]:
                 f"which makes its own prompts); {_DATASET_KEYS[key].format(raw=_cli(value))}; otherwise "
                 f"drop data.{key}."
             )
-    elif d.source in ("file", "hub"):
+    else:  # (the generator's keys are the arithmetic source's alone)
         for key, value in _changed(d, DataConfig(), _GENERATOR_KEYS):
             why = (
-                "it sizes the built-in arithmetic generator, and a dataset's rows are all used "
+                "it sizes the built-in arithmetic generator, and another source sets its own rows "
                 "(trainer.max_steps and trainer.epochs set how many are trained on)"
                 if key == "num_examples"
                 else "it shapes the built-in arithmetic generator's problems"

@@ -192,13 +192,6 @@ def check(d) -> list[str]:
             problems.append(f"data.options.{key}={value!r} must be a whole number >= 0, or null (derived).")
     if options.instruction is not None and not isinstance(options.instruction, str):
         problems.append(f"data.options.instruction={options.instruction!r} must be text, or null for none.")
-    from grpo_cli.config.schema import DataConfig
-
-    if d.num_examples != DataConfig().num_examples:
-        problems.append(
-            f"data.num_examples={d.num_examples} is ignored by data.source=reasoning_gym; set "
-            f"data.options.size={d.num_examples} for that many training rows, and drop data.num_examples."
-        )
     try:
         problems += task_problems(specs)
     except UserError as exc:
