@@ -3,31 +3,28 @@
 
     .venv/bin/python scripts/bench_judge.py          # writes scripts/results/judge.json
 
-A local OpenAI-compatible server (tests/judge_server.py) that takes --latency-s per request (as a
+A local OpenAI-compatible server (grpo_cli/testing/judge_server.py) that takes --latency-s per request (as a
 judge model's generation would) scores --completions completions; the judge (grpo_cli/rewards/
 judge.py) sends them at concurrency 8 and at concurrency 1, the arms alternating, --repeats times
 each, through the step's own path (rewards.score_rewards, its time/rewards/judge). Each arm's judge
 is built (and its HTTP client connected by one warm-up call) before the timed rounds, as in a run,
 where the client lives across steps. Prints a table (median seconds per
 batch, the server's most requests in flight, the ratio) and writes the result, one row per arm
-(harness.write_result; --out elsewhere). The server comes from tests/ (the judge reward's tests
-use the same one), the one reach into another folder's modules.
+(harness.write_result; --out elsewhere). The server is grpo_cli.testing.judge_server, the one the
+judge reward's tests use.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import harness
 
-sys.path.insert(0, str(harness.ROOT / "tests"))  # the test suite's judge server
-from judge_server import JudgeServer  # noqa: E402
-
-from grpo_cli.rewards import build_rewards, score_rewards  # noqa: E402
+from grpo_cli.rewards import build_rewards, score_rewards
+from grpo_cli.testing.judge_server import JudgeServer
 
 ARMS = (8, 1)
 

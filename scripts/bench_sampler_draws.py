@@ -14,7 +14,7 @@ training seeds of step 1 (distributed.prompt_seed); then
 - the ranks of the sampled tokens under the trainer's distribution at each position (its
   forward over the sampled sequences, in the case's precision), in 11 categories (rank 1..10,
   beyond), against the summed probabilities of those categories: Pearson's statistic and its
-  p-value, over every position and over the first one alone (tests/distribution_helpers.py has
+  p-value, over every position and over the first one alone (grpo_cli/testing/distributions.py has
   the same test);
 - vLLM only: the same categories against the distribution vLLM itself reports at each position
   (its top-10 processed log-probs): whether its draw follows its own numbers.
@@ -52,8 +52,7 @@ def _p_value(stat: float, df: int) -> float:
 
 
 def _test(observed, expected) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from distribution_helpers import statistic
+    from grpo_cli.testing.distributions import statistic
 
     stat, df = statistic(observed, expected)
     return {"chi2": stat, "df": df, "p": _p_value(stat, df)}
@@ -76,9 +75,7 @@ def worker(args) -> None:
     from grpo_cli.precision import autocast, resolve_precision
     from grpo_cli.rewards import build_rewards, correctness, passes, score_examples
     from grpo_cli.samplers import Context, build_sampler
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from distribution_helpers import rank_categories
+    from grpo_cli.testing.distributions import rank_categories
 
     backend, precision_name = args.case.split(":")
     cfg = typed_config(

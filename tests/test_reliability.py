@@ -367,7 +367,7 @@ CATALOGUE = [
         ["model.tokenizer", "/nonexistent/tokenizer"],
     ),
     # --- rewards
-    Case("R1", ["reward=[nope]"], ["reward/nope", "accuracy, format, judge, length, model"]),
+    Case("R1", ["reward=[nope]"], ["reward/nope", "accuracy, environment, format, judge, length, model"]),
     Case("R2", ["reward=[]", "+reward.nope.weight=1"], ["unknown reward 'nope'", "reward.nope.fn="]),
     Case("R3", ["reward=[]", "+reward.x.fn=no_such_module:score"], ["no_such_module", "PYTHONPATH"]),
     Case(
@@ -995,7 +995,7 @@ def test_reward_code_is_imported_only_from_an_explicit_fn(compose):
 
     from grpo_cli.rewards import REGISTRY, build_rewards
 
-    built_ins = {"accuracy", "format", "judge", "length", "model", "reasoning_gym"}
+    built_ins = {"accuracy", "environment", "format", "judge", "length", "model", "reasoning_gym"}
     assert set(REGISTRY) == built_ins  # no plugin discovery
     specs = build_rewards(OmegaConf.to_container(compose(["reward=[length]"]).reward))
     assert [s.fn.__module__ for s in specs] == ["grpo_cli.rewards.length"]

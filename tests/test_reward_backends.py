@@ -300,7 +300,7 @@ def test_grpo_train_with_a_judge_that_fails_once_masks_that_group_and_counts_it(
     """A judge served by a real HTTP server (the test's own) in a training run: its first call
     gets a 500, which under on_error=nan masks that completion's group (rewards/failed_groups)
     and is counted; every completion is one call; the run trains on."""
-    from judge_server import JudgeServer
+    from grpo_cli.testing.judge_server import JudgeServer
 
     with JudgeServer(
         reply=lambda request: str(len(request["messages"][-1]["content"]) % 11), plan=["500"]
@@ -330,7 +330,7 @@ def test_a_judge_template_naming_a_column_the_data_lacks_stops_before_the_model_
 
 
 def test_grpo_reward_test_scores_with_a_judge_and_counts_its_calls(tmp_path):
-    from judge_server import JudgeServer
+    from grpo_cli.testing.judge_server import JudgeServer
 
     with JudgeServer(reply=lambda request: "Score: 8", plan=["429"]) as server:
         res = run_cli(

@@ -379,7 +379,7 @@ def test_registry_is_derived_from_the_built_ins_declarations():
     from grpo_cli.rewards import format as format_module
     from grpo_cli.rewards import length as length_module
 
-    assert set(REGISTRY) == {"accuracy", "format", "judge", "length", "model", "reasoning_gym"}
+    assert set(REGISTRY) == {"accuracy", "environment", "format", "judge", "length", "model", "reasoning_gym"}
     for name, module, fn in (
         ("accuracy", accuracy_module, accuracy),
         ("format", format_module, format_reward),
@@ -414,7 +414,7 @@ def test_resolve_builtin():
             None,
             [
                 "unknown reward 'acuracy'",
-                "accuracy, format, judge, length, model",
+                "accuracy, environment, format, judge, length, model",
                 "Did you mean 'accuracy'",
                 "reward.acuracy.fn=package.module:function",
             ],

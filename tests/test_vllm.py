@@ -121,16 +121,15 @@ def test_rollout_layout_and_logprobs_match_the_trainer(engine, policy):
 def test_vllm_draws_the_gumbel_max_token_of_the_policys_own_distribution(policy, top_p):
     """vLLM's fp32 draws are exactly the tokens a Gumbel-max draw over the trainer's own
     distribution picks with vLLM's noise (its CPU kernel's SplitMix64 Gumbel noise, seeded per
-    completion and token: distribution_helpers.VllmCpuNoise): the built-in sampler drawing with
+    completion and token: grpo_cli.testing.distributions.VllmCpuNoise): the built-in sampler drawing with
     that noise samples the very same completions, token for token. So vLLM's samples come from
     the policy's distribution (a Gumbel-max draw with uniform noise is exact); only which random
     numbers are drawn differs between the two samplers. (Pins vLLM 0.32's CPU sampler: another
     version may hash its noise otherwise, and then this test says so.)"""
-    from distribution_helpers import sample_with_vllm_noise
-
     from grpo_cli.config.schema import SamplerConfig
     from grpo_cli.samplers import builtin
     from grpo_cli.samplers.vllm import VLLMSampler
+    from grpo_cli.testing.distributions import sample_with_vllm_noise
 
     cfg = SamplerConfig(backend="vllm", max_new_tokens=12, top_p=top_p, kv_cache_gib=0.25)
     sampler = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
@@ -433,10 +432,9 @@ def test_draws_come_from_the_policy_distribution(sharp):
     fail both tests (asserted: the tests can see a biased draw)."""
     from dataclasses import replace
 
-    from distribution_helpers import chi2_fits, fits, rank_categories
-
     from grpo_cli.config.schema import SamplerConfig
     from grpo_cli.samplers.vllm import VLLMSampler
+    from grpo_cli.testing.distributions import chi2_fits, fits, rank_categories
 
     cfg = SamplerConfig(backend="vllm", max_new_tokens=6, kv_cache_gib=0.25)
     sampler = VLLMSampler(cfg, sharp, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
@@ -568,12 +566,11 @@ def test_default_model_draws_come_from_its_distribution(precision):
     the policy's own distribution, the trainer's forward (first token of 1,600 completions of one
     prompt against its softmax, and the ranks at every position of 16 prompts x 8). (In bf16 the
     trainer's forward and vLLM's round differently: the gap TIS corrects.)"""
-    from distribution_helpers import chi2_fits, fits, rank_categories
-
     from grpo_cli.build import build_data, build_tokenizer, eos_token_ids, load_policy, read_data
     from grpo_cli.cli.common import typed_config
     from grpo_cli.precision import resolve_precision
     from grpo_cli.samplers.vllm import VLLMSampler
+    from grpo_cli.testing.distributions import chi2_fits, fits, rank_categories
 
     cfg = typed_config(["sampler=vllm", f"trainer.precision={precision}"])
     device = torch.device("cpu")

@@ -6,8 +6,15 @@ configured rewards, its weight and role set in YAML like any other's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ._common import RewardError
 from .base import Reward
+
+
+@dataclass(frozen=True)
+class Options:
+    """environment's options: none (the environment gives the value; weight and role as for any reward)."""
 
 
 def environment(completions, env_reward=None, **kwargs) -> list[float | None]:
@@ -19,4 +26,4 @@ def environment(completions, env_reward=None, **kwargs) -> list[float | None]:
     return [None if value is None else float(value) for value in env_reward]
 
 
-REWARD = Reward(name="environment", fn=environment)
+REWARD = Reward(name="environment", fn=environment, options=Options)
