@@ -445,11 +445,12 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         top_p=s.top_p,
         chunk_size=t.logprob_chunk_size,
     )
-    learner = Learner(
-        cfg, policy, ref, wrap_scorer(scorer, d, device), opt_step, precision, fast_paths, d, device
-    )
+    rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
+    scorer = wrap_scorer(scorer, d, device)
+    tolerance = rollouts.sampler.tolerance
+    learner = Learner(cfg, policy, ref, scorer, opt_step, precision, fast_paths, d, device, tolerance)
     return Parts(
-        rollouts=build_rollouts(cfg, policy, tokenizer, rewards, at, stream),
+        rollouts=rollouts,
         learner=learner,
         eval_examples=data.eval,
         wide_eval_examples=wide_eval,

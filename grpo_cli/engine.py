@@ -31,7 +31,7 @@ from grpo_cli.distributed import is_sharded, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
 from grpo_cli.evaluate import group_values
 from grpo_cli.health import HealthMonitor
-from grpo_cli.metrics import MetricsLogger, UpdateStats, step_row
+from grpo_cli.metrics import MetricsLogger, UpdateReport, UpdateStats, step_row
 from grpo_cli.optim import StepResult
 from grpo_cli.rewards import conversation, decode_completions
 from grpo_cli.rollout import Batch
@@ -120,7 +120,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 else None
             )
             context = phases.UpdateContext(norms, has_signal, ref_logps, self_check=check)
-            updated = learner.update(batch, plan, context, rollouts.sampler.tolerance, log)
+            updated = learner.update(batch, plan, context, log)
             said_no_signal = _count_results(updated, step, run, said_no_signal)
             applied = any(result.applied for result in updated.results)
             if applied and run.bad_weights():  # a finite gradient can overflow the weights
@@ -139,16 +139,9 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
 
             # 6. Metrics (TRL's names), eval, completions, health; a checkpoint every save_steps.
             updated.stats.all_reduce(d)
-            row = step_row(
-                step,
-                batch,
-                sampled,
-                updated.stats,
-                learner.opt_step.learning_rate,
-                t0,
-                phase,
-            )
-            guards.record_step(state, step, updated.stats.faults, t.max_bad_steps, t.num_iterations)
+            report = UpdateReport(updated.stats, learner.opt_step.learning_rate, t0, phase)
+            row = step_row(step, batch, sampled, report)
+            guards.record_step(state, step, updated.stats.faults, t)
             last_row = run.record(step, row, batch, sampled)
             if d.any(stop.requested) and step != parts.total_steps:  # (the last step finishes normally)
                 _stop_requested(stop, step, run)

@@ -51,13 +51,12 @@ def nonfinite_params(policy, limit: int = 3) -> list[str]:
     ]
 
 
-def record_step(
-    state: TrainerState, step: int, faults: list[str], max_bad_steps: int, num_iterations: int
-) -> None:
-    """After a step: extend or reset the streak of steps with a non-finite loss or gradient."""
+def record_step(state: TrainerState, step: int, faults: list[str], tr) -> None:
+    """After a step: extend or reset the streak of steps with a non-finite loss or gradient (the
+    log keeps trainer.max_bad_steps x trainer.num_iterations faults; tr: the trainer section)."""
     if faults:
         state.bad_steps += 1
-        state.bad_log = (state.bad_log + faults)[-max_bad_steps * num_iterations :]
+        state.bad_log = (state.bad_log + faults)[-tr.max_bad_steps * tr.num_iterations :]
     else:
         state.bad_steps, state.bad_log, state.last_good_step = 0, [], step
 

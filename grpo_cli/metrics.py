@@ -9,6 +9,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -329,26 +330,30 @@ def pass_rate_histogram(passed: list[bool], G: int) -> list[int]:
     return hist
 
 
-def step_row(
-    step: int,
-    batch,
-    sampled,
-    updates: UpdateStats,
-    learning_rate: float,
-    started: float,
-    phase: dict[str, float],
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class UpdateReport:
+    """A step's update as its metrics row reads it: the update's stats, the learning rate the
+    optimizer ended with, when the step started (time.perf_counter()) and where its time went
+    (phase -> seconds)."""
+
+    stats: UpdateStats
+    learning_rate: float
+    started: float
+    phase: dict[str, float]
+
+
+def step_row(step: int, batch, sampled, report: UpdateReport) -> dict[str, Any]:
     """One training step's metrics row (TRL's names where TRL has one). `batch` is the scored
     batch trained on (rollout.Batch); `sampled` what the step drew in all (step.Sampled: every
-    sampled completion scored, the zero-std count); `started`: the step's time.perf_counter()
-    at its start. Token counts are of the trained tokens (Rollout.trained_mask); lengths count
-    every completion-side token."""
+    sampled completion scored, the zero-std count); `report`: its update and times. Token counts
+    are of the trained tokens (Rollout.trained_mask); lengths count every completion-side token."""
 
     from grpo_cli.environments.episodes import episode_metrics
     from grpo_cli.rewards import reward_metrics
 
     drawn = sampled.drawn  # every completion sampled this step (scored.Scored)
-    r, G, step_time = batch.rollout, batch.num_generations, time.perf_counter() - started
+    updates, phase = report.stats, report.phase
+    r, G, step_time = batch.rollout, batch.num_generations, time.perf_counter() - report.started
     lengths = r.lengths.float()
     rewards = batch.rewards
     trained = r.trained_mask
@@ -383,7 +388,7 @@ def step_row(
         # estimate of the entropy that needs no forward (health's stand-in for `entropy` on a step
         # that trained on no row).
         "sampler/neg_logp_mean": float(-(r.sampler_logps * trained).sum()) / max(float(trained.sum()), 1.0),
-        "learning_rate": float(learning_rate),
+        "learning_rate": float(report.learning_rate),
         "step_time": step_time,
         "tokens_per_second": float(trained.sum()) / step_time,
         # Where the step's time went (seconds); policy = forward+backward of all micro-batches.

@@ -82,7 +82,7 @@ class Rollouts:
 class Learner:
     """A scored batch -> an optimizer step: the policy, the reference (None when loss.beta is 0),
     the training forward (`scorer`: logprobs.TokenLogprobs, under DDP wrapped), the optimizer step,
-    the precision, and whether the model takes the tested fast paths."""
+    the precision, whether the model takes the tested fast paths, and the sampler's tolerance."""
 
     cfg: Config
     policy: Any
@@ -93,6 +93,9 @@ class Learner:
     fast_paths: bool
     dist: Dist
     device: Any
+    tolerance: tuple[
+        float, float
+    ]  # the sampler's declared (mean, max) log-prob gap (update's mismatch floor)
 
     def batch(self, sampled: phases.Sampled):
         """(Batch, loss normalisers, has learning signal): step.advantages."""
@@ -127,6 +130,6 @@ class Learner:
         )
         return ref_logps, time.perf_counter() - tick
 
-    def update(self, batch, plan, context: phases.UpdateContext, tolerance, log) -> phases.Updated:
-        """num_iterations updates on the batch (step.update); `tolerance`: the sampler's."""
-        return phases.update(batch, plan, context, learner=self, tolerance=tolerance, log=log)
+    def update(self, batch, plan, context: phases.UpdateContext, log) -> phases.Updated:
+        """num_iterations updates on the batch (step.update)."""
+        return phases.update(batch, plan, context, learner=self, log=log)

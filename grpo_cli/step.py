@@ -379,21 +379,20 @@ class Updated:
 class Trains(Protocol):
     """What update() runs with (roles.Learner is one): the config (loss, trainer.num_iterations,
     sampler.max_new_tokens), the training forward (`scorer`: logprobs.TokenLogprobs,
-    DDP-wrapped under several processes), the optimizer step and the precision."""
+    DDP-wrapped under several processes), the optimizer step, the precision, and the sampler's
+    declared (mean, max) log-prob gap (Sampler.tolerance: the mismatch check's floor)."""
 
     cfg: Config
     scorer: Any
     opt_step: OptimizerStep
     precision: Precision
+    tolerance: tuple[float, float]
 
 
-def update(
-    batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Trains, tolerance, log
-) -> Updated:
+def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Trains, log) -> Updated:
     """trainer.num_iterations updates on this batch, each accumulating the gradient over the
     shuffled micro-batches, then one optimizer step (learner.opt_step). The training forward
-    (learner.scorer) runs under learner.precision's autocast; `tolerance`: the sampler's declared
-    (mean, max) log-prob gap.
+    (learner.scorer) runs under learner.precision's autocast.
 
     The ratio's old log-probs are the trainer's own, detached, from before the first update (ref
     000.1): on iteration 0 the very forward being trained (ratio exactly 1 in any precision);
@@ -433,7 +432,9 @@ def update(
                 old = logps.detach()  # [b, C]
                 if old_logps is not None:
                     old_logps[rows, :C] = old
-                mismatch = compare_logprobs(scores.behaviour, r.sampler_logps, r.trained_mask, tolerance)
+                mismatch = compare_logprobs(
+                    scores.behaviour, r.sampler_logps, r.trained_mask, learner.tolerance
+                )
                 updates.add_mismatch(mismatch, len(rows))
                 if is_weights is not None:
                     is_weights[rows, :C] = truncated_importance_weights(

@@ -17,7 +17,7 @@ from conftest import scored_rows
 from grpo_cli import selfcheck, step
 from grpo_cli.config import Config, LossConfig, SamplerConfig, TrainerConfig
 from grpo_cli.logprobs import TokenLogprobs, token_logprobs
-from grpo_cli.metrics import step_row
+from grpo_cli.metrics import UpdateReport, step_row
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
 from grpo_cli.optim import StepResult
 from grpo_cli.precision import resolve_precision
@@ -126,8 +126,8 @@ def _update(model, r: Rollout, garbage: float, monkeypatch):
             scorer=TokenLogprobs(model, temperature=1.0, shared_prompt=True),
             opt_step=opt,
             precision=precision,
+            tolerance=(1e-4, 5e-4),
         ),
-        tolerance=(1e-4, 5e-4),
         log=type("Log", (), {"print": staticmethod(lambda *a: None)})(),
     )
     return updated, calls, opt.grads
@@ -176,7 +176,7 @@ def test_the_hole_is_left_out_of_the_logged_stats(tiny):
     sampled = step.Sampled(train=rows, drawn=rows)
     updates = step.UpdateStats()
     updates.update(0.0, 1.0)  # one optimizer step's loss and gradient norm
-    row = step_row(1, _batch(r), sampled, updates, 1e-3, time.perf_counter() - 1.0, {})
+    row = step_row(1, _batch(r), sampled, UpdateReport(updates, 1e-3, time.perf_counter() - 1.0, {}))
     trained = r.trained_mask.bool()
     assert row["sampler/neg_logp_mean"] == pytest.approx(float(-r.sampler_logps[trained].mean()), rel=1e-6)
     assert row["tokens_per_second"] == pytest.approx(int(trained.sum()), rel=0.05)  # ~1 s since `started`
