@@ -358,12 +358,10 @@ def _untested_note(policy) -> str:
     )
 
 
-def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
-    """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
-    to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
-    resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
-    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
-    rewards = build_rewards(cfg.reward)
+def _placement(cfg: Config, d: Dist) -> Placement:
+    """The training device (under several processes on GPUs, this rank's) and precision, with the
+    checks they allow before anything loads (4-bit on this device, fp16 under FSDP2)."""
+    t = cfg.trainer
     device = resolve_device(t.device)
     if d.enabled and device.type == "cuda":  # one GPU per process
         import torch
@@ -371,13 +369,23 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         device = torch.device("cuda", d.local_rank)
     precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
     check_quantization(cfg.adapter.quantization, device)
-    fsdp = d.enabled and t.distributed == "fsdp"
-    if fsdp and precision.use_grad_scaler:
+    if d.enabled and t.distributed == "fsdp" and precision.use_grad_scaler:
         raise UserError(
             f"trainer.distributed=fsdp with trainer.precision={precision.name} needs a sharded grad "
             "scaler, which grpo-cli does not run; use trainer.precision=bf16 (or fp32), or "
             "trainer.distributed=ddp."
         )
+    return Placement(precision, device, d)
+
+
+def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
+    """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
+    to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
+    resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
+    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
+    rewards = build_rewards(cfg.reward)
+    at = _placement(cfg, d)
+    precision, device, fsdp = at.precision, at.device, d.enabled and t.distributed == "fsdp"
     resume = _resume_state(cfg, run_dir, fsdp)
     resume_from, loaded = resume.path, resume.loaded
     train_rows, eval_rows = read_data(cfg)
@@ -429,7 +437,6 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         )
     ref = _reference(cfg, policy, source, device, precision, fsdp)
 
-    at = Placement(precision, device, d)
     opt_step = _optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
     stream = PromptStream(data.train, seed=t.seed)
     if loaded:
@@ -447,8 +454,9 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     )
     rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
     scorer = wrap_scorer(scorer, d, device)
-    tolerance = rollouts.sampler.tolerance
-    learner = Learner(cfg, policy, ref, scorer, opt_step, precision, fast_paths, d, device, tolerance)
+    learner = Learner(
+        cfg, policy, ref, scorer, opt_step, precision, fast_paths, d, device, rollouts.sampler.tolerance
+    )
     return Parts(
         rollouts=rollouts,
         learner=learner,
