@@ -212,7 +212,11 @@ def build_rollouts(cfg: Config, model, tokenizer, rewards: Rewards, at: Placemen
     sampler = build_sampler(cfg.sampler, context)
     try:  # the environment's tools are checked, and the rewards that have a build load, once per process
         episodes = environment_episodes(
-            cfg, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id
+            cfg,
+            tokenizer=tokenizer,
+            eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id,
+            keep_open=rewards.take_environments,
         )
         rewards.open(device, d, dtype=precision.frozen_dtype)
     except BaseException:

@@ -33,7 +33,10 @@ def grade(
     with path.sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
-            scored = score(rewards, tokenizer, chunk, path.draw(chunk, num_generations=G, greedy=greedy))
+            try:
+                scored = score(rewards, tokenizer, chunk, path.draw(chunk, num_generations=G, greedy=greedy))
+            finally:
+                path.close_environments()
             parts.append(replace(scored, prompt_index=scored.prompt_index + start))
     return concat(parts, tokenizer.pad_token_id) if parts else None
 

@@ -182,7 +182,10 @@ def _sample_groups(
         seconds["rollout"] += time.perf_counter() - tick
         if pending:
             tick = time.perf_counter()
-            scored = score(c.rewards, c.tokenizer, [examples[j] for j in pending], rollout, c.progress)
+            try:
+                scored = score(c.rewards, c.tokenizer, [examples[j] for j in pending], rollout, c.progress)
+            finally:
+                c.path.close_environments()
             seconds["reward"] += time.perf_counter() - tick
             scored_rounds.append(scored)
             for n, j in enumerate(pending):

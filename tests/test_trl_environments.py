@@ -182,3 +182,149 @@ def test_grpo_train_runs_a_trl_class_with_its_reward(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 and all("rewards/environment/mean" in r and "env/turns" in r for r in steps)
+
+
+class Echo:
+    """A second TRL class for routing: one tool, no get_reward; its reset must not see the
+    routing column (TRL does not pass it on)."""
+
+    def reset(self, **kwargs) -> str:
+        assert "environment" not in kwargs, kwargs
+        return " Echo it."
+
+    def echo(self, text: str) -> str:
+        """Say it back.
+
+        Args:
+            text: what to say
+        """
+        return text
+
+
+def _routed_examples(tok, names):
+    from grpo_cli.data import Example
+
+    out = []
+    for q, a, name in zip(("What is 2 plus 3?", "Say hello."), ("5", "hello"), names):
+        messages = [{"role": "user", "content": q}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        out.append(Example(messages, ids, {"answer": a, "environment": name}))
+    return out
+
+
+def test_a_mapping_of_trl_classes_is_chosen_per_row(tiny_model):
+    """environment.fn as a mapping (TRL 1.16's dict environment_factory): each row's `environment`
+    column picks its class, only that class's tools are listed in its prompt, reset never sees the
+    column, and get_reward counts where the class has one (NaN, no score, elsewhere)."""
+    from grpo_cli.errors import UserError
+
+    _, tok = tiny_model
+    fn = {"counter": "test_trl_environments:Counter", "echo": "test_trl_environments:Echo"}
+    cfg = EnvironmentConfig(fn=fn, style="trl", max_turns=2)
+    path = _episodes(
+        ScriptedSampler(tok, ["<increment>5</increment>", "done</s>"], "</result>"), tok, cfg, 40
+    )
+    r = path.draw(_routed_examples(tok, ["counter", "echo"]), seeds=[0, 1], num_generations=2)
+    prompts = [tok.decode(r.prompt_ids[n][r.prompt_mask[n].bool()]) for n in (0, 2)]
+    assert "Reach 5." in prompts[0] and "<increment>" in prompts[0] and "<echo>" not in prompts[0]
+    assert "Echo it." in prompts[1] and "<echo>" in prompts[1] and "<increment>" not in prompts[1]
+    reward = r.env_reward.tolist()
+    assert reward[:2] == [1.0, 1.0] and all(v != v for v in reward[2:])  # echo: no get_reward
+    assert r.stat_names == ("turns", "tool_calls", "tool_errors", "replies_cut", "errors", "out_of_turns")
+    with pytest.raises(UserError, match=r"environment='chess'.*give every row an `environment` column"):
+        path.draw(_routed_examples(tok, ["counter", "chess"]), seeds=[0, 1], num_generations=2)
+
+
+SEEN: list = []
+
+
+def sees_environments(prompts, completions, environments, **kwargs):
+    """A reward in TRL's form reading the episodes' environment objects (and the prompts the
+    resets made): 1 where the counter reached the row's target."""
+    SEEN.append((list(prompts), list(environments), list(CLOSED)))
+    return [float(env.count == env.target) for env in environments]
+
+
+def test_rewards_get_the_environments_open_and_the_prompts_the_resets_made(tiny_model):
+    """A reward naming `environments` gets each episode's TRL instance, still open (closed once
+    the rollout is scored), and `prompts` whose last user message carries the reset's text."""
+    from grpo_cli.rewards import build_rewards, score
+
+    _, tok = tiny_model
+    CLOSED.clear()
+    SEEN.clear()
+    rewards = build_rewards({"mine": {"fn": "test_trl_environments:sees_environments"}})
+    assert rewards.take_environments and not build_rewards({"format": {}}).take_environments
+    cfg = EnvironmentConfig(fn="test_trl_environments:Counter", style="trl", max_turns=2)
+    path = _episodes(
+        ScriptedSampler(tok, ["<increment>5</increment>", "done</s>"], "</result>"), tok, cfg, 40
+    )
+    path.episodes.keep_open = True
+    examples = _examples(tok)  # answers 5 and 3
+    rollout = path.draw(examples, seeds=[0, 1], num_generations=2)
+    assert CLOSED == [] and len(rollout.environments) == 4
+    scored = score(rewards, tok, examples, rollout)
+    path.close_environments()
+    prompts, envs, closed_then = SEEN[0]
+    assert closed_then == [] and all(isinstance(e, Counter) for e in envs) and len(set(map(id, envs))) == 4
+    assert prompts[0][-1]["content"].endswith("What is 2 plus 3? Reach 5.")
+    assert prompts[3][-1]["content"].endswith("What is 4 minus 1? Reach 3.")
+    assert scored.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0] and scored.rollout.environments == ()
+    assert sorted(CLOSED) == sorted(map(id, envs))
+
+
+def test_environments_without_an_environment_is_one_paragraph():
+    from grpo_cli.rewards import RewardError, build_rewards
+    from grpo_cli.rewards.scoring import score_rewards
+
+    rewards = build_rewards({"mine": {"fn": "test_trl_environments:sees_environments"}})
+    with pytest.raises(RewardError, match="takes `environments`.*this run has no environment"):
+        score_rewards(list(rewards), ["a"], prompts=["q"], completion_ids=None, columns={})
+
+
+def test_environments_with_worker_processes_is_refused(compose):
+    from grpo_cli.config import validate
+
+    problems = validate(
+        compose(["+reward.mine.fn=test_trl_environments:sees_environments", "+reward.mine.workers=2"])
+    )
+    assert any("takes environments" in p and "cannot reach" in p for p in problems), problems
+
+
+def test_grpo_train_routes_rows_to_trl_classes_and_hands_rewards_the_environments(tmp_path):
+    """End to end from YAML: environment.fn maps two TRL classes, a JSONL file's `environment`
+    column routes each row, and a reward in TRL's form scores from the environment objects."""
+    import json
+
+    from conftest import TINY_BASE, grpo
+
+    rows = [
+        {"prompt": f"Count to {n}.", "answer": str(n), "environment": "counter" if n % 2 else "echo"}
+        for n in range(1, 13)
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        *(a for a in TINY_BASE if not a.startswith("data.")),
+        "data=jsonl",
+        f"data.path={tmp_path / 'rows.jsonl'}",
+        "data.eval_size=4",
+        "environment.fn={counter: 'test_trl_environments:Counter', echo: 'test_trl_environments:Echo'}",
+        "environment.style=trl",
+        "environment.max_turns=2",
+        "reward=[format]",
+        "+reward.reached.fn=test_trl_environments:reached",
+        "trainer.max_steps=2",
+        "trainer.prompts_per_step=2",
+        "hydra.run.dir=run",
+    ]
+    res = grpo(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert len(steps) == 2 and all("rewards/reached/mean" in r and "env/turns" in r for r in steps)
+
+
+def reached(completions, environments, **kwargs):
+    """1 where a Counter reached its target; None (not applicable) for the other classes."""
+    return [float(env.count == env.target) if isinstance(env, Counter) else None for env in environments]

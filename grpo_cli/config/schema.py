@@ -261,8 +261,10 @@ class EnvironmentConfig:
     # What the model talks to over several turns (docs/environments.md); nothing by default: one
     # completion per prompt. fn: a class or function making an environment, by import path
     # (my_pkg.my_env:MyEnv); tools: plain functions by import path, called with a tag the model
-    # writes (<name>argument</name>). One or the other; the presets: calculator, feedback.
-    fn: Optional[str] = None
+    # writes (<name>argument</name>). One or the other; the presets: calculator, feedback. fn may
+    # also map names to environments ({math: pkg.envs:Math, game: pkg.envs:Game}): each row's
+    # `environment` column picks its own, as TRL's dict environment_factory does.
+    fn: Any = None
     tools: List[str] = field(default_factory=list)
     # The shape of environment.fn's class: native, grpo-cli's (reset(row) -> messages | None,
     # step(text) -> Reply | str | None); trl, a TRL environment_factory class (reset(**row) ->

@@ -19,6 +19,13 @@ An environment is any object with this small interface (a user's by import path,
                                     (a str: a reply; None: the episode is done)
     reward() -> float | None        optional: the episode's own reward, given to the rewards as
                                     the `env_reward` column (the `environment` reward returns it)
+    instance                        optional: the object a reward that names `environments` (TRL's
+                                    keyword) gets for the episode (default: the environment itself);
+                                    such a run keeps the environments open until they are scored
+
+environment.fn may also map names to environments ({math: my_pkg.envs:Math, game: ...}): each
+row's `environment` column picks its episode's (TRL 1.16's dict environment_factory), and that
+column is not passed to reset.
 
 environment.style=trl takes a TRL environment_factory class instead (environments/trl_class.py);
 environment.style=text_gym a skyrl-gym BaseTextEnv, by registered id or import path
@@ -277,33 +284,80 @@ def load_object(path: str, what: str):
         raise UserError(f"{what}={path!r}: module {module_name!r} has no {attr!r}.") from None
 
 
-def environment_factory(cfg) -> Callable[[], Any] | None:
-    """A function making a fresh environment for cfg (config.EnvironmentConfig), None when single-turn."""
-    if cfg.fn and cfg.style == "text_gym":
-        from grpo_cli.environments.text_gym import text_gym_factory
+#: The row column that picks an episode's environment where environment.fn maps names to
+#: environments (TRL 1.16's dict environment_factory reads the same `environment` field).
+ROUTE_COLUMN = "environment"
 
-        return text_gym_factory(cfg)
+
+def environment_factory(cfg) -> Callable[[dict], Any] | None:
+    """A function making a fresh environment for a row (cfg: config.EnvironmentConfig), None when
+    single-turn. environment.fn is one environment, or a mapping of names to environments
+    (each as environment.fn takes it, all of environment.style) picked per row by its
+    `environment` column, as TRL's dict environment_factory does (routed)."""
+    if isinstance(cfg.fn, Mapping):
+        return Routed(
+            {str(name): _one_factory(cfg, path, f"environment.fn.{name}") for name, path in cfg.fn.items()}
+        )
     if cfg.fn:
-        factory = load_object(cfg.fn, "environment.fn")
-        if cfg.style == "trl":
-            from grpo_cli.environments.trl_class import check_trl_class, trl_factory
-
-            for problem in check_trl_class(factory, cfg.fn):
-                raise UserError(problem)
-            return trl_factory(factory, cfg)
-        if not callable(factory):
-            raise UserError(
-                f"environment.fn={cfg.fn!r} is not a class or a function; it must make an environment."
-            )
-        _suggest_style(factory, cfg.fn)
-        return factory
+        one = _one_factory(cfg, cfg.fn, "environment.fn")
+        return lambda row: one()
     if cfg.tools:
         tools = [load_object(path, "environment.tools") for path in cfg.tools]
         for path, fn in zip(cfg.tools, tools):
             if not callable(fn):
                 raise UserError(f"environment.tools: {path!r} is not a function.")
-        return lambda: ToolEnv(tools, timeout_s=cfg.timeout_s, protocol=cfg.protocol)
+        return lambda row: ToolEnv(tools, timeout_s=cfg.timeout_s, protocol=cfg.protocol)
     return None
+
+
+def _one_factory(cfg, path, where: str) -> Callable[[], Any]:
+    """One environment's maker, no arguments: environment.fn's (or one entry of its mapping)."""
+    if not isinstance(path, str) or not path:
+        raise UserError(
+            f"{where}={path!r} is not an environment: give an import path (my_pkg.envs:MyEnv)"
+            + (", or a skyrl-gym id (gsm8k)" if cfg.style == "text_gym" else "")
+            + "."
+        )
+    if cfg.style == "text_gym":
+        from grpo_cli.environments.text_gym import text_gym_factory
+
+        return text_gym_factory(cfg, path)
+    factory = load_object(path, where)
+    if cfg.style == "trl":
+        from grpo_cli.environments.trl_class import check_trl_class, trl_factory
+
+        for problem in check_trl_class(factory, path):
+            raise UserError(problem)
+        return trl_factory(factory, cfg)
+    if not callable(factory):
+        raise UserError(f"{where}={path!r} is not a class or a function; it must make an environment.")
+    _suggest_style(factory, path)
+    return factory
+
+
+class Routed:
+    """environment.fn as a mapping: the environment a row's `environment` column names, each made
+    by its own factory (TRL 1.16's dict environment_factory)."""
+
+    def __init__(self, factories: Mapping[str, Callable[[], Any]]):
+        self.factories = dict(factories)
+
+    def __call__(self, row: dict):
+        name = row.get(ROUTE_COLUMN)
+        if name is None or str(name) not in self.factories:
+            shown = "no `environment` column" if name is None else f"environment={name!r}"
+            raise UserError(
+                f"environment.fn maps {sorted(self.factories)} to environments, and a row has {shown} "
+                f"(its prompt: {str(row.get('prompt'))[:80]!r}); give every row an `environment` column "
+                "naming one of them (TRL's dict environment_factory reads the same column), or set "
+                "environment.fn to one environment."
+            )
+        return self.factories[str(name)]()
+
+    def samples(self) -> list:
+        """One fresh environment of each name (for what they declare: stop strings, metrics), as
+        TRL probes one instance of each; the caller closes them."""
+        return [make() for make in self.factories.values()]
 
 
 def _suggest_style(factory, path: str) -> None:

@@ -19,11 +19,13 @@ says who wrote each token (ROLE_CODES), so the rewards and the logs see the conv
 from __future__ import annotations
 
 import hashlib
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from grpo_cli.environments import ACTION_NOT_CUT, Reply, call_with_timeout
+from grpo_cli.environments import ACTION_NOT_CUT, ROUTE_COLUMN, Reply, call_with_timeout
 from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
 from grpo_cli.rollout import ROLE_CODES, Rollout, left_pad
@@ -84,6 +86,12 @@ class RolloutPath:
             ignore_eos=ignore_eos,
         )
 
+    def close_environments(self) -> None:
+        """Close the environments that the rollouts drawn so far kept open for the rewards
+        (Episodes.keep_open): called once those rollouts are scored."""
+        if self.episodes is not None:
+            self.episodes.close_open()
+
 
 @dataclass(frozen=True)
 class EpisodeRules:
@@ -101,12 +109,13 @@ class EpisodeRules:
     metrics: tuple[str, ...] = ()
 
     @classmethod
-    def declared(cls, cfg, max_new_tokens: int, env=None) -> EpisodeRules:
-        """cfg: config.EnvironmentConfig; env: an environment, whose optional `stop` and
-        `metrics` are read (the environment interface declares both, with a default)."""
+    def declared(cls, cfg, max_new_tokens: int, envs=()) -> EpisodeRules:
+        """cfg: config.EnvironmentConfig; envs: environments whose optional `stop` and `metrics`
+        are read (the environment interface declares both, with a default), joined in order
+        (several where environment.fn routes rows to environments)."""
         budget = cfg.max_episode_tokens or cfg.max_turns * (max_new_tokens + cfg.max_reply_tokens)
-        stop = tuple(getattr(env, "stop", None) or ())
-        metrics = tuple(str(name) for name in getattr(env, "metrics", None) or ())
+        stop = tuple(dict.fromkeys(s for env in envs for s in getattr(env, "stop", None) or ()))
+        metrics = tuple(dict.fromkeys(str(m) for env in envs for m in getattr(env, "metrics", None) or ()))
         return cls(cfg.max_turns, max_new_tokens, cfg.max_reply_tokens, budget, stop, metrics)
 
     @property
@@ -121,6 +130,7 @@ class _Episode:
     example: object  # data.Example
     index: int  # 0..G-1 among the prompt's episodes
     failed: bool = False
+    closed_badly: bool = False  # close() raised (environment.on_error=mask)
     ids: list[int] = field(default_factory=list)  # completion side so far
     trained: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
@@ -129,6 +139,7 @@ class _Episode:
     done: bool = False
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_COLUMNS, 0))
     metrics: dict = field(default_factory=dict)  # the environment's own (Reply.metrics), summed
+    reset_prompt: list | None = None  # the messages its reset made the prompt (None: the example's)
 
     def join(self, ids: list[int], logps: list[float], role: str) -> None:
         """Tokens onto the completion side: sampled (the assistant's, trained) or written."""
@@ -151,9 +162,17 @@ class Episodes:
     environment (environments.environment_factory); cfg: config.EnvironmentConfig; rendering:
     the episode's text side; max_new_tokens: a turn's budget (sampler.max_new_tokens)."""
 
-    def __init__(self, factory, cfg, rendering: Rendering, *, pad_id: int, max_new_tokens: int):
+    def __init__(
+        self, factory, cfg, rendering: Rendering, *, pad_id: int, max_new_tokens: int, keep_open: bool = False
+    ):
         self.factory = factory
+        # Whether the episodes' environments stay open after the draw (a reward takes them, TRL's
+        # `environments`): each rollout then carries them, and close_open closes them once scored.
+        self.keep_open = keep_open
+        self._open: list[_Episode] = []
         self.cfg = cfg
+        self.routed = isinstance(cfg.fn, Mapping)  # environment.fn maps names to environments
+        self._declared: EpisodeRules | None = None  # (routed: the rules, read once)
         self.rendering = rendering
         self.pad_id = pad_id
         self.max_new_tokens = max_new_tokens
@@ -163,6 +182,8 @@ class Episodes:
     def _call(self, fn, args, what: str, e: _Episode):
         try:
             return call_with_timeout(fn, args, self.cfg.timeout_s, what)
+        except UserError:  # a setting or a row at fault (a routing column), not the environment
+            raise
         except Exception as exc:
             if self.cfg.on_error == "mask":
                 return _Failed(exc)
@@ -196,9 +217,7 @@ class Episodes:
         episodes: list[_Episode] = []
         try:
             prompts = self._start(examples, G, episodes)
-            rules = EpisodeRules.declared(
-                self.cfg, self.max_new_tokens, next((e.env for e in episodes if e.env is not None), None)
-            )
+            rules = self._rules(episodes)
             shared = all(prompts[i] == prompts[i - i % G] for i in range(len(prompts)))
             if shared:  # turn 0: the sampler's plain call, G per prompt
                 session = sampler.session(prompts[::G], G)
@@ -208,9 +227,43 @@ class Episodes:
                     seeds = [turn_seed(seeds[n // G], n % G, 0) for n in range(len(prompts))]
             self._turns(session, episodes, rules, seeds if shared else None, seeds, G, greedy, ignore_eos)
             env_reward = [self._episode_reward(e) for e in episodes]
-        finally:
+        except BaseException:
+            self._close(episodes)
+            raise
+        if self.keep_open:  # the rewards take them (`environments`): closed once scored (close_open)
+            self._open += episodes
+        else:
             self._close(episodes)
         return self._rollout(prompts, episodes, G, env_reward, rules.metrics)
+
+    def close_open(self) -> None:
+        """Close the environments kept open for the rewards (keep_open) since the last call: after
+        the rollouts that hold them are scored. A close that raises stops the run in one paragraph
+        under environment.on_error=raise; under mask the episode was scored already, so it is
+        reported on stderr and the run goes on."""
+        kept, self._open = self._open, []
+        self._close(kept)
+        failed = [e for e in kept if e.failed and e.closed_badly]
+        if failed:
+            print(
+                f"environment {self.rendering.describe}: close() raised for {len(failed)} episode(s) after "
+                "they were scored (environment.on_error=mask: the run goes on).",
+                file=sys.stderr,
+            )
+
+    def _rules(self, episodes: list[_Episode]) -> EpisodeRules:
+        """The rules the episodes run by: declared by the batch's first environment, or where rows
+        are routed to several, by one of each (the same for every batch: its metrics' columns)."""
+        if self.routed:
+            if self._declared is None:
+                samples = self.factory.samples()
+                self._declared = EpisodeRules.declared(self.cfg, self.max_new_tokens, samples)
+                for env in samples:  # (made to be read: closed at once, as an episode's would be)
+                    if getattr(type(env), "close", None) is not None:
+                        call_with_timeout(env.close, (), self.cfg.timeout_s, "close()")
+            return self._declared
+        first = next((e.env for e in episodes if e.env is not None), None)
+        return EpisodeRules.declared(self.cfg, self.max_new_tokens, () if first is None else (first,))
 
     def _turns(self, session, episodes, rules, prompt_seeds, row_seeds, G, greedy, ignore_eos) -> None:
         """The episodes' turns, until every one has ended or max_turns. prompt_seeds: one per
@@ -244,14 +297,20 @@ class Episodes:
         prompts = []
         for ex in examples:
             row = {"prompt": ex.prompt, **ex.columns}
+            # A routing column (environment.fn a mapping) picks the environment; as TRL does, it is
+            # not passed on to reset.
+            reset_row = {k: v for k, v in row.items() if k != ROUTE_COLUMN} if self.routed else row
             for i in range(G):
                 e = _Episode(env=None, example=ex, index=i)
                 episodes.append(e)
-                env = self._call(self.factory, (), "making the environment", e)
+                env = self._call(self.factory, (row,), "making the environment", e)
                 messages = (
-                    env if isinstance(env, _Failed) else self._call(env.reset, (dict(row),), "reset(row)", e)
+                    env
+                    if isinstance(env, _Failed)
+                    else self._call(env.reset, (dict(reset_row),), "reset(row)", e)
                 )
                 e.env, e.failed = (None if isinstance(env, _Failed) else env), isinstance(messages, _Failed)
+                e.reset_prompt = None if e.failed or messages is None else list(messages)
                 tools = None if e.failed else getattr(env, "template_tools", None)
                 prompts.append(self.rendering.prompt_ids(ex, None if e.failed else messages, tools))
         return prompts
@@ -268,7 +327,7 @@ class Episodes:
                 call_with_timeout(e.env.close, (), self.cfg.timeout_s, "close()")
             except Exception as exc:  # noqa: BLE001 - every environment is closed; then the first raised
                 if self.cfg.on_error == "mask":
-                    e.failed = True
+                    e.failed = e.closed_badly = True
                 elif first is None:
                     first = (e, exc)
         if first is not None:
@@ -388,11 +447,22 @@ class Episodes:
             ),
             env_reward=torch.tensor(env_reward, dtype=torch.float32),
             stat_names=(*STAT_COLUMNS, *metrics),
+            reset_prompts=tuple(e.reset_prompt for e in episodes),
+            environments=tuple(_instance(e.env) for e in episodes) if self.keep_open else (),
         )
 
 
-def environment_episodes(cfg, *, tokenizer, eos_ids: list[int], pad_id: int) -> Episodes | None:
-    """The episodes of cfg's (the whole config's) environment, None when it has none (single-turn)."""
+def _instance(env):
+    """What the rewards get as an episode's environment (`environments`): the object the user wrote
+    (an environment's optional `instance`: a TRL class's instance, a skyrl-gym env), else itself."""
+    return None if env is None else getattr(env, "instance", env)
+
+
+def environment_episodes(
+    cfg, *, tokenizer, eos_ids: list[int], pad_id: int, keep_open: bool = False
+) -> Episodes | None:
+    """The episodes of cfg's (the whole config's) environment, None when it has none (single-turn).
+    keep_open: a reward takes the environments (Episodes.keep_open)."""
     from grpo_cli.environments import environment_factory
 
     env = cfg.environment
@@ -402,16 +472,22 @@ def environment_episodes(cfg, *, tokenizer, eos_ids: list[int], pad_id: int) -> 
     if env.protocol == "native" and env.tools:
         from grpo_cli.environments import renders_tools, tool_schema
 
-        schemas = [tool_schema(t) for t in factory().tools.values()]
+        schemas = [tool_schema(t) for t in factory({}).tools.values()]
         if not renders_tools(tokenizer, schemas):
             raise UserError(
                 "environment.protocol=native: the model's chat template does not render tools (SmolLM2's "
                 "renders role and content only); use environment.protocol=tag (a tag the model writes, "
                 "which any template carries), or a model whose template renders tools."
             )
-    describe = env.fn or f"tools [{', '.join(env.tools)}]"
+    describe = (
+        f"{{{', '.join(f'{k}: {v}' for k, v in env.fn.items())}}}"
+        if isinstance(env.fn, Mapping)
+        else env.fn or f"tools [{', '.join(env.tools)}]"
+    )
     rendering = Rendering(tokenizer, eos_ids, data=cfg.data, describe=describe)
-    return Episodes(factory, env, rendering, pad_id=pad_id, max_new_tokens=cfg.sampler.max_new_tokens)
+    return Episodes(
+        factory, env, rendering, pad_id=pad_id, max_new_tokens=cfg.sampler.max_new_tokens, keep_open=keep_open
+    )
 
 
 def episode_metrics(rollout: Rollout) -> dict[str, float]:

@@ -113,6 +113,11 @@ class TextGymEnv:
         content = "\n".join(str(m.get("content", "")) for m in observations)
         return Reply(content, role=observations[0].get("role", "user"), keep_text=keep)
 
+    @property
+    def instance(self):
+        """The skyrl-gym environment itself: what the rewards get as `environments`."""
+        return self.env
+
     def reward(self) -> float | None:
         if not self.rewards:
             return None
@@ -123,11 +128,12 @@ class TextGymEnv:
             self.env.close()
 
 
-def text_gym_factory(cfg) -> Callable[[], TextGymEnv]:
-    """A function making one episode's environment (cfg: config.EnvironmentConfig)."""
+def text_gym_factory(cfg, path: str) -> Callable[[], TextGymEnv]:
+    """A function making one episode's environment: `path` (environment.fn, or one entry of its
+    mapping) with cfg's (config.EnvironmentConfig) env_config and reward_turns."""
     from omegaconf import OmegaConf
 
-    creator = env_creator(cfg.fn)
+    creator = env_creator(path)
     env_config = cfg.env_config or {}
     env_config = OmegaConf.to_container(env_config) if OmegaConf.is_config(env_config) else dict(env_config)
     return lambda: TextGymEnv(creator, env_config, cfg.reward_turns)

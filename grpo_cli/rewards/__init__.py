@@ -263,7 +263,7 @@ def _check_calls(problems: list[str], where: str, declared: Reward, workers: Any
     elif workers and declared.fn is not None and (taken := _process_callables(declared.fn)):
         problems.append(
             f"{where}.workers={workers}: the function takes {' and '.join(taken)}, "
-            f"{'a callable' if len(taken) == 1 else 'callables'} of the training process that cannot reach "
+            f"{'an object' if len(taken) == 1 else 'objects'} of the training process that cannot reach "
             f"worker processes. Remove {where}.workers (the reward then runs in the training process), "
             "or drop the parameter"
         )
@@ -277,9 +277,9 @@ def _check_calls(problems: list[str], where: str, declared: Reward, workers: Any
 
 
 def _process_callables(fn) -> list[str]:
-    """TRL's logging callables a reward names (log_metric, log_extra): they live in the training
-    process and cannot reach a pool of worker processes."""
-    return [name for name in ("log_metric", "log_extra") if names_parameter(fn, name)]
+    """What TRL passes that a reward names and that lives in the training process (log_metric,
+    log_extra, the episodes' environments): none of it can reach a pool of worker processes."""
+    return [name for name in ("log_metric", "log_extra", "environments") if names_parameter(fn, name)]
 
 
 def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._calling import names_parameter
+
 #: What a reward is for. correctness: it says whether a completion is right (1.0 = right), so it
 #: drives eval/accuracy, the pass rule (pass@k, pass_rate_hist) and the check that the data has
 #: its answer column; at most one reward has it. shaping: any other (format, length, ...).
@@ -129,6 +131,14 @@ class Rewards:
 
     def __repr__(self) -> str:
         return f"Rewards({[s.name for s in self._specs]})"
+
+    @property
+    def take_environments(self) -> bool:
+        """Whether a reward names `environments` (TRL's keyword: the episodes' environment objects),
+        so the episodes keep them open until they are scored."""
+        return any(
+            s.reward.fn is not None and names_parameter(s.reward.fn, "environments") for s in self._specs
+        )
 
     def open(self, device: Any = None, dist: Any = None, dtype: Any = None) -> Rewards:
         """Builds the rewards that have a build, with the training device, the run's Dist and the

@@ -15,12 +15,12 @@ import numbers
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.calls import call_with_timeout
 
-from ._calling import by_keyword, invoke
+from ._calling import by_keyword, invoke, names_parameter
 from ._common import RewardError, preview
 from ._text import conversation, decode_completions
 from .base import RewardSpec
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 TRL_ONLY_KWARGS = ("trainer_state", "log_metric", "log_extra")
 
 #: Keyword arguments the engine passes itself; options may not use these names.
-RESERVED_KWARGS = ("completions", "prompts", "completion_ids", "env_reward", *TRL_ONLY_KWARGS)
+RESERVED_KWARGS = ("completions", "prompts", "completion_ids", "env_reward", "environments", *TRL_ONLY_KWARGS)
 
 
 @dataclass
@@ -59,8 +59,8 @@ class TrainerProgress:
 
 def _row_kwargs(kwargs: Mapping[str, Any], data_keys: Sequence[str], i: int) -> dict[str, Any]:
     single = dict(kwargs)
-    for key in data_keys:
-        value = kwargs[key]
+    for key in [*data_keys, "environments"]:
+        value = kwargs.get(key)
         if value is not None:
             single[key] = [value[i]]
     return single
@@ -207,6 +207,7 @@ def score_rewards(
     completion_ids: list | None,
     columns: Mapping[str, list],
     env_reward: list | None = None,
+    environments: list | None = None,
     stats: dict[str, float] | None = None,
     progress: TrainerProgress | None = None,
     logs: Logs | None = None,
@@ -221,7 +222,8 @@ def score_rewards(
     `stats`, when given, gains per reward time/rewards/<name> (seconds), rewards/<name>/failures
     (its NaNs) and the counters of its pop_metrics(). A reward called by keyword (TRL's form,
     by_keyword) also gets `trainer_state` (`progress`) and, in this process, `log_metric` and
-    `log_extra`, whose values `logs` gains.
+    `log_extra`, whose values `logs` gains. A reward that names `environments` gets the episodes'
+    environment objects (TRL's keyword; `environments`, one per completion, open until scored).
     """
     n = len(completions)
     if not specs:
@@ -248,6 +250,14 @@ def score_rewards(
                 "rename the option or the column"
             )
         kwargs = {**columns, **engine, **spec.options}
+        if names_parameter(spec.fn, "environments"):  # (only to those that name it: never pickled)
+            if environments is None:
+                raise RewardError(
+                    f"reward {spec.name!r} takes `environments` (TRL's keyword: each episode's environment "
+                    "object), and this run has no environment; choose one (environment.fn=..., "
+                    "environment.style=trl), or drop the parameter."
+                )
+            kwargs["environments"] = environments
         if by_keyword(spec.fn):  # TRL's call: what TRL passes beyond grpo-cli's keywords
             kwargs["trainer_state"] = progress or TrainerProgress()
             if spec.pool is None:  # (a callable cannot reach worker processes: check_rewards refuses)
@@ -405,6 +415,9 @@ def score_examples(
         for key, value in ex.columns.items():
             columns.setdefault(key, []).extend([value] * num_generations)
     prompts = [ex.prompt for ex in examples for _ in range(num_generations)]
+    # The rewards see each episode's prompt as its environment's reset made it (TRL's `prompts`
+    # after reset); the form of the completions follows the example's own prompt.
+    shown = [p if r is None else r for p, r in zip(prompts, rollout.reset_prompts or [None] * len(prompts))]
     completion_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.attention_mask)
     ]
@@ -421,10 +434,11 @@ def score_examples(
     total, per_reward = score_rewards(
         rewards,
         completions,
-        prompts=prompts,
+        prompts=shown,
         completion_ids=completion_ids,
         columns=columns,
         env_reward=env_reward,
+        environments=list(rollout.environments) or None,
         stats=stats,
         progress=progress,
         logs=logs,
@@ -450,7 +464,7 @@ def score(rewards, tokenizer, examples: list[Example], rollout, progress: Traine
     device, N = rollout.completion_ids.device, len(totals)
     values = [[math.nan if v is None else v for v in column] for column in per_reward.values()]  # [R][N]
     return Scored(
-        rollout=rollout,
+        rollout=replace(rollout, reset_prompts=(), environments=()),  # (the objects: only for scoring)
         names=tuple(per_reward),
         values=torch.tensor(values, dtype=torch.float64, device=device).reshape(len(values), N).T,
         totals=torch.tensor(totals, dtype=torch.float64, device=device),
