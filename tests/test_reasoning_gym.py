@@ -90,6 +90,11 @@ def test_extraction_takes_the_last_marker_and_falls_back_to_the_last_line():
     assert extract_answer("thinking\n\n 12 \n") == "12"
     assert extract_answer("Answer: end.", gold="end.") == "end."
     assert extract_answer("   ") is None
+    # No marker, a numeric gold: the last number of the last line (what a small model writes).
+    assert extract_answer("1 + 5 = 6", gold="6") == "6"
+    assert extract_answer("The answer to this problem is 15.", gold="6") == "15"
+    assert extract_answer("Answer: 1 + 5 = 6", gold="6") == "1 + 5 = 6"  # a marker: its text as stated
+    assert extract_answer("1 + 5 = 6", gold="olleh") == "1 + 5 = 6"  # a word's gold: the line
 
 
 # ----------------------------------------------------------------------------- the rows

@@ -3,7 +3,9 @@ data=reasoning_gym; docs/reasoning-gym.md).
 
 The completion's answer is the text after the last ``marker`` (default ``Answer:``, what the
 data source's prompts ask for; case-insensitive): the rest of that line, or the next non-empty
-line when the marker ends its line. Without a marker, the completion's last non-empty line.
+line when the marker ends its line. Without a marker, the completion's last non-empty line; where
+the gold answer is a plain number, the last number of that line ("1 + 5 = 6", "The answer is 6."
+state 6: what a small model writes, and the rule of grpo-cli's accuracy reward).
 Surrounding ``*`` and backticks are stripped, and one trailing ``.`` unless the gold answer ends
 with one. The answer is scored by the row's task: ``reasoning_gym.get_score_answer_fn(task)(answer,
 entry)`` with entry = {question, answer, metadata} of the row, a value in [0, 1]. Part marks
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -54,6 +57,9 @@ def check_options(options: Mapping[str, Any], *, unknown: bool = True) -> list[s
     return problems
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
 def extract_answer(text: str, marker: str = _D.marker, gold: str | None = None) -> str | None:
     """The answer a completion states (see the module docstring); None when it states nothing."""
     at = text.lower().rfind(marker.lower())
@@ -64,6 +70,9 @@ def extract_answer(text: str, marker: str = _D.marker, gold: str | None = None) 
     else:
         lines = [line for line in text.splitlines() if line.strip(_WRAPPERS)]
         found = lines[-1] if lines else ""
+        numbers = _NUMBER.findall(found)
+        if gold is not None and _NUMBER.fullmatch(gold.strip()) and numbers:
+            return numbers[-1]
     found = found.strip(_WRAPPERS)
     if found.endswith(".") and not found.endswith("..") and not (gold or "").endswith("."):
         found = found[:-1].strip(_WRAPPERS)
