@@ -33,6 +33,7 @@ from grpo_cli.loss import (
     has_learning_signal,
     loss_normalizers,
     truncated_importance_weights,
+    variant,
     zero_std_groups,
 )
 from grpo_cli.metrics import UpdateStats
@@ -405,7 +406,7 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
     only (Rollout.trained_mask)."""
     scorer, opt, precision, cfg = learner.scorer, learner.opt_step, learner.precision, learner.cfg
     lo, num_iterations, max_new_tokens = cfg.loss, cfg.trainer.num_iterations, cfg.sampler.max_new_tokens
-    updates = UpdateStats(grad_scaler=opt.scaler is not None)
+    updates = UpdateStats(grad_scaler=opt.scaler is not None, variant_stats=variant(lo.loss_type).stat_names)
     seconds = {"policy": 0.0, "optimizer": 0.0}
     sampler_logps = batch.rollout.sampler_logps  # [N, C]
     old_logps = torch.zeros_like(sampler_logps) if num_iterations > 1 else None  # [N, C]
