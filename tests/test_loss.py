@@ -871,3 +871,69 @@ def test_the_presets_compose_and_validate(compose, name):
 
     cfg = compose([f"loss={name}"])
     assert cfg.loss.loss_type == name and validate(cfg) == []
+
+
+# --------------------------------------------------------------------------- GDPO
+
+
+def _gdpo_by_hand(values, weights, G, eps=1e-4, std="population"):
+    """GDPO written out loop by loop: per group, per reward, (v - mean) / (std + eps) over the
+    values present (0 where the reward is constant in the group or absent), weighted, summed."""
+    out = []
+    for g in range(0, len(values), G):
+        rows = values[g : g + G]
+        for i in range(G):
+            total = 0.0
+            for k, w in enumerate(weights):
+                col = [r[k] for r in rows if not math.isnan(r[k])]
+                if math.isnan(rows[i][k]) or not col:
+                    continue
+                m = sum(col) / len(col)
+                n = len(col) - 1 if std == "sample" and len(col) > 1 else len(col)
+                s = math.sqrt(sum((c - m) ** 2 for c in col) / n)
+                if s < 1e-6:
+                    continue
+                total += w * (rows[i][k] - m) / (s + eps)
+            out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("std", ["population", "sample"])
+def test_normalize_then_sum_is_gdpo(std):
+    """Per reward within its group, then the weighted sum (TRL's normalize_then_sum), against the
+    loops above: a reward constant in a group adds 0, an absent value (None: NaN) adds nothing."""
+    nan = float("nan")
+    values = [
+        [1.0, 0.2],
+        [0.0, 0.2],
+        [1.0, 0.0],
+        [0.0, nan],  # group 0: both rewards vary (one value absent)
+        [1.0, 0.5],
+        [1.0, 0.1],
+        [1.0, 0.3],
+        [1.0, 0.9],  # group 1: correctness constant, shaping varies
+    ]
+    weights = [1.0, 0.25]
+    got = loss_module.normalize_then_sum(
+        torch.tensor(values, dtype=F64), torch.tensor(weights, dtype=F64), 4, cfg=LossConfig(std=std)
+    )
+    assert torch.allclose(
+        got, torch.tensor(_gdpo_by_hand(values, weights, 4, std=std), dtype=F64), atol=1e-12
+    )
+
+
+def test_gdpo_keeps_a_large_shaping_reward_from_drowning_correctness():
+    """A shaping reward 100x the correctness reward's scale: summed first, the advantages follow
+    the shaping reward (the correct row is not on top); normalised first, correctness counts as
+    much as shaping, and the zero-std rule holds where both are constant."""
+    values = torch.tensor(
+        [[1.0, 10.0], [0.0, 30.0], [0.0, 20.0], [0.0, 0.0], [1.0, 5.0], [1.0, 5.0], [1.0, 5.0], [1.0, 5.0]],
+        dtype=F64,
+    )
+    weights = torch.tensor([1.0, 1.0], dtype=F64)
+    summed, _, _ = group_advantages((values * weights).sum(-1), 4)
+    combined = loss_module.normalize_then_sum(values, weights, 4, cfg=LossConfig())
+    gdpo, zero, _ = group_advantages(combined, 4)
+    assert summed[:4].argmax().item() == 1  # the shaping reward decides
+    assert gdpo[0] > gdpo[2] and gdpo[0] > gdpo[3]  # the correct row now beats the ones worth less shaping
+    assert zero.tolist() == [False] * 4 + [True] * 4 and torch.equal(gdpo[4:], torch.zeros(4, dtype=F64))

@@ -42,6 +42,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
         "loss.scale_rewards": loss.SCALE_REWARDS,
+        "loss.multi_objective_aggregation": loss.AGGREGATIONS,
         "loss.std": loss.STD_KINDS,
         "loss.estimator": loss.ESTIMATORS,
         "loss.zero_std": loss.ZERO_STD_MODES,

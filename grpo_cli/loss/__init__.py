@@ -41,9 +41,11 @@ from grpo_cli.loss.advantages import (
     group_advantages,
     has_learning_signal,
     loss_normalizers,
+    normalize_then_sum,
     zero_std_groups,
 )
 from grpo_cli.loss.options import (
+    AGGREGATIONS,
     ESTIMATORS,
     IS_LEVELS,
     KL_ESTIMATORS,
@@ -78,6 +80,7 @@ __all__ = [
     "zero_std_groups",
     "loss_normalizers",
     "grpo_loss",
+    "normalize_then_sum",
     "LossBatch",
     "importance_ratio",
     "per_token_kl",
@@ -89,6 +92,7 @@ __all__ = [
     "variant",
     "Counts",
     # the allowed values of the other string options (options.py), read by config validation
+    "AGGREGATIONS",
     "ESTIMATORS",
     "IS_LEVELS",
     "KL_ESTIMATORS",
