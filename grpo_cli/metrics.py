@@ -227,7 +227,10 @@ class UpdateStats:
     entropy, the sampler/trainer log-prob mismatch, each update's loss and pre-clip gradient norm
     (ref 000.7), and the updates skipped (non-finite, or no learning signal)."""
 
-    def __init__(self, grad_scaler: bool = False) -> None:
+    def __init__(self, grad_scaler: bool = False, variant_stats: tuple[str, ...] = ()) -> None:
+        # The token-mean stats of grpo_loss: the shared ones, then the loss variant's own
+        # (Variant.stat_names), the same on every rank.
+        self.keys = (*LOSS_STATS, *variant_stats)
         self.sums: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.ratio_max = 0.0
@@ -248,7 +251,7 @@ class UpdateStats:
     def add(self, stats: dict, entropy, mask) -> None:
         """One grpo_loss call's stats, and the entropy [b, C] over its valid tokens (mask [b, C])."""
         n_tok = float(stats["num_tokens"])
-        for key in LOSS_STATS:
+        for key in self.keys:
             self.sums[key] = self.sums.get(key, 0.0) + float(stats[key]) * n_tok
             self.last[key] = self.last.get(key, 0.0) + float(stats[key]) * n_tok
         self.sums["num_tokens"] = self.sums.get("num_tokens", 0.0) + n_tok
@@ -271,7 +274,7 @@ class UpdateStats:
         as one process would have them (the losses and gradient norms are already the step's)."""
         if not d.enabled:
             return
-        keys = [*LOSS_STATS, "num_tokens"]  # the same on every rank (a rank may have trained on none)
+        keys = [*self.keys, "num_tokens"]  # the same on every rank (a rank may have trained on none)
         scalars = ("entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens", "rows")
         summed = d.sum(
             [self.sums.get(k, 0.0) for k in keys]
@@ -294,7 +297,7 @@ class UpdateStats:
         n_tok = max(self.sums.get("num_tokens", 0.0), 1.0)
         n_last = max(self.last.get("num_tokens", 0.0), 1.0)
         return {
-            **{key: self.sums.get(key, 0.0) / n_tok for key in LOSS_STATS},
+            **{key: self.sums.get(key, 0.0) / n_tok for key in self.keys},
             "ratio_max": self.ratio_max,
             **(
                 {

@@ -43,6 +43,7 @@ class Scored:
     # What rewards logged with TRL's log_extra: a column of completions.jsonl, one value per row
     # (N), by name; rows follow select and concat.
     extra: Mapping[str, tuple] = field(default_factory=dict)
+    weights: tuple[float, ...] = ()  # the R rewards' weights, config order (() where unknown)
 
     def __post_init__(self):
         N = self.rollout.completion_ids.shape[0]
@@ -121,6 +122,7 @@ def concat(records: Sequence[Scored], pad_id: int) -> Scored:
         passed=torch.cat([r.passed for r in records]),
         applies=torch.cat([r.applies for r in records]),
         prompt_index=torch.cat([r.prompt_index for r in records]),
+        weights=records[0].weights,
         counters=counters,
         logged=logged,
         extra=extra,

@@ -32,7 +32,9 @@ from grpo_cli.loss import (
     grpo_loss,
     has_learning_signal,
     loss_normalizers,
+    normalize_then_sum,
     truncated_importance_weights,
+    variant,
     zero_std_groups,
 )
 from grpo_cli.metrics import UpdateStats
@@ -258,7 +260,11 @@ def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[i
     # on_error=nan). Its whole group is left out: advantages 0 (as a zero-std group) and no trained
     # token, so it adds nothing to the loss, the KL or the normalisers.
     failed = rewards.isnan().view(-1, G).any(-1).repeat_interleave(G)  # [N]
-    adv, zero_std, group_std = group_advantages(rewards.nan_to_num(0.0) * ~failed, G, cfg=lo)
+    signal = rewards.nan_to_num(0.0)  # [N]
+    if lo.multi_objective_aggregation == "normalize_then_sum":  # GDPO: per reward, then summed
+        weights = torch.tensor(train.weights, dtype=torch.float32)  # [R]
+        signal = normalize_then_sum(train.values.float(), weights, G, cfg=lo)  # [N]
+    adv, zero_std, group_std = group_advantages(signal * ~failed, G, cfg=lo)
     loss_mask = r.trained_mask.clone()  # [N, C]
     loss_mask[failed] = 0
     if lo.mask_truncated_completions:
@@ -405,7 +411,7 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
     only (Rollout.trained_mask)."""
     scorer, opt, precision, cfg = learner.scorer, learner.opt_step, learner.precision, learner.cfg
     lo, num_iterations, max_new_tokens = cfg.loss, cfg.trainer.num_iterations, cfg.sampler.max_new_tokens
-    updates = UpdateStats(grad_scaler=opt.scaler is not None)
+    updates = UpdateStats(grad_scaler=opt.scaler is not None, variant_stats=variant(lo.loss_type).stat_names)
     seconds = {"policy": 0.0, "optimizer": 0.0}
     sampler_logps = batch.rollout.sampler_logps  # [N, C]
     old_logps = torch.zeros_like(sampler_logps) if num_iterations > 1 else None  # [N, C]

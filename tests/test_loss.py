@@ -54,7 +54,7 @@ def group_advantages(rewards, num_generations, **kw):
 
 
 F64 = torch.float64
-LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
+LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"]
 LEVELS = ["token", "sequence"]
 ZERO_STD_MODES = ["mask", "weight", "keep"]
 
@@ -233,9 +233,9 @@ def expected_onpolicy_grad(adv, mask, loss_type):
     n_seq = (n_i > 0).sum()
     n_tok = mask.sum()
     a = adv.unsqueeze(1)  # [B, 1]
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         w = 1.0 / (n_i.clamp(min=1) * n_seq)
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type in ("bnpo", "dapo", "cispo"):
         w = 1.0 / n_tok
     else:
         w = 1.0 / (n_seq * mask.shape[1])
@@ -766,3 +766,174 @@ def test_a_loss_variant_is_one_row_of_the_table(monkeypatch, compose):
     torch.testing.assert_close(grad, (-ratio * adv[:, None] + 0.1 * (1 - torch.exp(ref - logps))) * mask)
     _, clipped_grad, _ = grad_of(logps, old, ref, adv, mask, loss_type="bnpo")
     assert clipped_grad[0, 0] == 0 and grad[0, 0] != 0  # the row's term, not the clipped one
+
+
+# --------------------------------------------------------------------------- CISPO and SAPO
+
+
+def _off_policy_batch():
+    """Rows of different lengths, ratios well off 1 both ways, advantages of both signs."""
+    g = torch.Generator().manual_seed(3)
+    logps = -torch.rand(4, 5, generator=g, dtype=F64) * 2.0 - 0.1  # [B, T]
+    old = logps + torch.tensor([-1.2, 0.8, -0.4, 2.5], dtype=F64).unsqueeze(1) * torch.rand(
+        4, 5, generator=g, dtype=F64
+    )  # [B, T]: ratios from ~0.1 to ~10
+    mask = lengths_mask([5, 3, 4, 2], 5)
+    adv = torch.tensor([1.5, -0.7, 0.9, -1.2], dtype=F64)
+    return logps, old, mask, adv
+
+
+@pytest.mark.parametrize("weight_max", [5.0, 1.3])
+def test_cispo_is_trls_formula(weight_max):
+    """CISPO against TRL's formula written here: per token -sg(min(r, eps_max)) * A * logp, summed
+    over the valid tokens and divided by their count (TRL's normaliser for cispo). The gradient is
+    TRL's exactly; the value differs from TRL's by the constant -w A old_logp (the term is
+    written on log r = logp - old_logp), so it is compared with that constant added back."""
+    logps, old, mask, adv = _off_policy_batch()
+    loss, grad, stats = grad_of(
+        logps, old, None, adv, mask, loss_type="cispo", options={"weight_max": weight_max}
+    )
+    leaf = logps.clone().requires_grad_(True)
+    r = torch.exp(leaf - old)
+    w = torch.clamp(r, max=weight_max).detach()
+    trl = (-w * adv.unsqueeze(1) * leaf * mask).sum() / mask.sum()
+    trl.backward()
+    constant = (-w * adv.unsqueeze(1) * old * mask).sum() / mask.sum()
+    assert torch.allclose(loss, trl.detach() - constant, atol=1e-12)
+    assert torch.allclose(grad, leaf.grad, atol=1e-12)
+    # Every valid token keeps a gradient (no hard clip), the padding none.
+    assert bool((grad[mask.bool()] != 0).all()) and bool((grad[~mask.bool()] == 0).all())
+    capped = ((r.detach() > weight_max) & (adv.unsqueeze(1) > 0) & mask.bool()).sum() / mask.sum()
+    assert math.isclose(stats["cispo_clip_ratio"].item(), capped.item())
+    assert (capped > 0) == (weight_max == 1.3)  # the low cap bites, TRL's 5.0 does not here
+
+
+@pytest.mark.parametrize("temps", [(1.0, 1.05), (0.5, 3.0)])
+def test_sapo_is_trls_formula(temps):
+    """SAPO against TRL's formula written here: per token -(4/tau) sigmoid(tau (r - 1)) A with tau
+    by the advantage's sign, then grpo's per-sequence mean; value and gradient."""
+    logps, old, mask, adv = _off_policy_batch()
+    pos, neg = temps
+    options = {"temperature_pos": pos, "temperature_neg": neg}
+    loss, grad, stats = grad_of(logps, old, None, adv, mask, loss_type="sapo", options=options)
+    leaf = logps.clone().requires_grad_(True)
+    r = torch.exp(leaf - old)
+    a = adv.unsqueeze(1)
+    tau = torch.where(a > 0, torch.tensor(pos, dtype=F64), torch.tensor(neg, dtype=F64))
+    per_token = -(torch.sigmoid(tau * (r - 1)) * 4 / tau) * a
+    trl = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    trl.backward()
+    assert torch.allclose(loss, trl.detach(), atol=1e-12)
+    assert torch.allclose(grad, leaf.grad, atol=1e-12)
+    s = torch.sigmoid(tau * (r.detach() - 1))
+    gate = ((4 * s * (1 - s)) * mask).sum() / mask.sum()
+    assert math.isclose(stats["sapo/gate_mean"].item(), gate.item(), rel_tol=1e-12)
+    assert 0 < gate.item() < 1  # off policy: the gate has closed some
+
+
+def test_sapo_gate_is_one_on_policy_and_softer_than_the_clip():
+    """One token, A = 1: on policy SAPO's gradient is grpo's (-1); at r = 1.5, outside grpo's
+    trust region where the clip gives exactly 0, SAPO's is small but not zero."""
+    mask = torch.ones(1, 1, dtype=F64)
+    a = torch.ones(1, dtype=F64)
+    for r, grpo_zero in [(1.0, False), (1.5, True)]:
+        logps = torch.zeros(1, 1, dtype=F64)
+        old = logps - math.log(r)
+        _, g_grpo, _ = grad_of(logps, old, None, a, mask, loss_type="grpo")
+        _, g_sapo, _ = grad_of(logps, old, None, a, mask, loss_type="sapo")
+        assert (g_grpo.item() == 0) == grpo_zero
+        if r == 1.0:
+            assert math.isclose(g_sapo.item(), -1.0)
+        else:
+            assert -1.0 < g_sapo.item() * (1 / r) < 0  # d/dlogp = r d/dr: weight below 1, not 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss=cispo", "loss.options.weight_max=0"], "loss.options.weight_max=0 must be a number > 0"),
+        (["loss=cispo", "loss.importance_sampling_level=sequence"], "choose loss=gspo"),
+        (["loss=sapo", "loss.options.temperature_neg=-1"], "loss.options.temperature_neg=-1"),
+        (["loss=sapo", "+loss.options.weight_max=2"], "which sapo does not read"),
+        (["loss=grpo", "+loss.options.weight_max=2"], "grpo takes no options"),
+    ],
+)
+def test_the_variants_options_are_checked_before_the_run(compose, overrides, message):
+    from grpo_cli.config import validate
+
+    problems = validate(compose(overrides))
+    assert any(message in p for p in problems), problems
+
+
+@pytest.mark.parametrize("name", ["cispo", "sapo"])
+def test_the_presets_compose_and_validate(compose, name):
+    from grpo_cli.config import validate
+
+    cfg = compose([f"loss={name}"])
+    assert cfg.loss.loss_type == name and validate(cfg) == []
+
+
+# --------------------------------------------------------------------------- GDPO
+
+
+def _gdpo_by_hand(values, weights, G, eps=1e-4, std="population"):
+    """GDPO written out loop by loop: per group, per reward, (v - mean) / (std + eps) over the
+    values present (0 where the reward is constant in the group or absent), weighted, summed."""
+    out = []
+    for g in range(0, len(values), G):
+        rows = values[g : g + G]
+        for i in range(G):
+            total = 0.0
+            for k, w in enumerate(weights):
+                col = [r[k] for r in rows if not math.isnan(r[k])]
+                if math.isnan(rows[i][k]) or not col:
+                    continue
+                m = sum(col) / len(col)
+                n = len(col) - 1 if std == "sample" and len(col) > 1 else len(col)
+                s = math.sqrt(sum((c - m) ** 2 for c in col) / n)
+                if s < 1e-6:
+                    continue
+                total += w * (rows[i][k] - m) / (s + eps)
+            out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("std", ["population", "sample"])
+def test_normalize_then_sum_is_gdpo(std):
+    """Per reward within its group, then the weighted sum (TRL's normalize_then_sum), against the
+    loops above: a reward constant in a group adds 0, an absent value (None: NaN) adds nothing."""
+    nan = float("nan")
+    values = [
+        [1.0, 0.2],
+        [0.0, 0.2],
+        [1.0, 0.0],
+        [0.0, nan],  # group 0: both rewards vary (one value absent)
+        [1.0, 0.5],
+        [1.0, 0.1],
+        [1.0, 0.3],
+        [1.0, 0.9],  # group 1: correctness constant, shaping varies
+    ]
+    weights = [1.0, 0.25]
+    got = loss_module.normalize_then_sum(
+        torch.tensor(values, dtype=F64), torch.tensor(weights, dtype=F64), 4, cfg=LossConfig(std=std)
+    )
+    assert torch.allclose(
+        got, torch.tensor(_gdpo_by_hand(values, weights, 4, std=std), dtype=F64), atol=1e-12
+    )
+
+
+def test_gdpo_keeps_a_large_shaping_reward_from_drowning_correctness():
+    """A shaping reward 100x the correctness reward's scale: summed first, the advantages follow
+    the shaping reward (the correct row is not on top); normalised first, correctness counts as
+    much as shaping, and the zero-std rule holds where both are constant."""
+    values = torch.tensor(
+        [[1.0, 10.0], [0.0, 30.0], [0.0, 20.0], [0.0, 0.0], [1.0, 5.0], [1.0, 5.0], [1.0, 5.0], [1.0, 5.0]],
+        dtype=F64,
+    )
+    weights = torch.tensor([1.0, 1.0], dtype=F64)
+    summed, _, _ = group_advantages((values * weights).sum(-1), 4)
+    combined = loss_module.normalize_then_sum(values, weights, 4, cfg=LossConfig())
+    gdpo, zero, _ = group_advantages(combined, 4)
+    assert summed[:4].argmax().item() == 1  # the shaping reward decides
+    assert gdpo[0] > gdpo[2] and gdpo[0] > gdpo[3]  # the correct row now beats the ones worth less shaping
+    assert zero.tolist() == [False] * 4 + [True] * 4 and torch.equal(gdpo[4:], torch.zeros(4, dtype=F64))

@@ -134,6 +134,10 @@ class LossConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
     scale_rewards: str = "group"  # group | batch | none
+    # How several rewards make one: sum_then_normalize (the weighted total, then the advantages);
+    # normalize_then_sum (GDPO, TRL's name: each reward normalised within its group, then the
+    # weighted sum, so a shaping reward cannot drown the correctness one). The pass rule is the same.
+    multi_objective_aggregation: str = "sum_then_normalize"
     std: str = "population"  # population | sample
     estimator: str = "grpo"  # grpo | rloo
     eps: float = 1e-4

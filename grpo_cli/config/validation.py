@@ -42,6 +42,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
         "loss.scale_rewards": loss.SCALE_REWARDS,
+        "loss.multi_objective_aggregation": loss.AGGREGATIONS,
         "loss.std": loss.STD_KINDS,
         "loss.estimator": loss.ESTIMATORS,
         "loss.zero_std": loss.ZERO_STD_MODES,
@@ -176,21 +177,44 @@ def _loss_problems(lo: Any) -> list[str]:
     from grpo_cli.errors import UserError
 
     try:  # a row of the loss table, or a user's variant by import path, with its own options
-        loss.variant(lo.loss_type)
+        row = loss.variant(lo.loss_type)
         declared = (
             plugins.load("grpo_cli.loss", lo.loss_type, "loss.loss_type")
             if plugins.is_import_path(lo.loss_type)
-            else None
+            else plugins.Plugin(name=lo.loss_type, build=lambda: row, options=row.options)
         )
-        if declared is not None:
-            plugins.read_options(declared, lo.options, "loss.options")
-        elif lo.options:
-            problems.append(
-                f"loss.options={dict(lo.options)} is set, but loss.loss_type={lo.loss_type} takes no "
-                "options; drop loss.options."
-            )
+        options = plugins.read_options(declared, lo.options, "loss.options")
+        problems += _variant_problems(lo, options)
     except (ValueError, UserError) as exc:
         problems.append(str(exc))
+    return problems
+
+
+def _variant_problems(lo: Any, options: Any) -> list[str]:
+    """The built-in variants' own options in range, and what they do not combine with."""
+    from grpo_cli.loss.terms import CispoOptions, SapoOptions
+
+    problems = []
+    if isinstance(options, CispoOptions):
+        if not (isinstance(options.weight_max, (int, float)) and options.weight_max > 0):
+            problems.append(
+                f"loss.options.weight_max={options.weight_max!r} must be a number > 0 (the cap on CISPO's "
+                "importance weight; 5.0 is TRL's recommended value)."
+            )
+        if lo.importance_sampling_level == "sequence":
+            problems.append(
+                "loss.loss_type=cispo weights each token by its own ratio; loss.importance_sampling_level="
+                "sequence does not apply to it (TRL refuses the pair too): set it to token, or choose "
+                "loss=gspo for sequence-level ratios."
+            )
+    if isinstance(options, SapoOptions):
+        for key in ("temperature_pos", "temperature_neg"):
+            value = getattr(options, key)
+            if not (isinstance(value, (int, float)) and value > 0):
+                problems.append(
+                    f"loss.options.{key}={value!r} must be a number > 0 (the SAPO gate's temperature; "
+                    "TRL's defaults are 1.0 and 1.05)."
+                )
     return problems
 
 

@@ -41,9 +41,11 @@ from grpo_cli.loss.advantages import (
     group_advantages,
     has_learning_signal,
     loss_normalizers,
+    normalize_then_sum,
     zero_std_groups,
 )
 from grpo_cli.loss.options import (
+    AGGREGATIONS,
     ESTIMATORS,
     IS_LEVELS,
     KL_ESTIMATORS,
@@ -59,11 +61,17 @@ from grpo_cli.loss.options import (
 from grpo_cli.loss.reductions import Counts, constant_length, per_sequence_mean, token_mean
 from grpo_cli.loss.stats import loss_stats
 from grpo_cli.loss.terms import (
+    CispoOptions,
+    SapoOptions,
+    cispo,
+    cispo_stats,
     clip_range,
     clipped_surrogate,
     importance_ratio,
     kl_penalty,
     per_token_kl,
+    sapo,
+    sapo_stats,
     truncated_importance_weights,
 )
 
@@ -72,6 +80,7 @@ __all__ = [
     "zero_std_groups",
     "loss_normalizers",
     "grpo_loss",
+    "normalize_then_sum",
     "LossBatch",
     "importance_ratio",
     "per_token_kl",
@@ -83,6 +92,7 @@ __all__ = [
     "variant",
     "Counts",
     # the allowed values of the other string options (options.py), read by config validation
+    "AGGREGATIONS",
     "ESTIMATORS",
     "IS_LEVELS",
     "KL_ESTIMATORS",
@@ -107,12 +117,25 @@ class Reduction(Protocol):
     def __call__(self, per_token_loss: Tensor, valid: Tensor, counts: Counts, /) -> Tensor: ...
 
 
+class VariantStats(Protocol):
+    """A variant's own per-token stats: name -> ``[B, T]`` (bool or float) from the ratio
+    ``[B, T]``, the advantages ``[B, 1]`` and the loss section; logged as their means over the
+    tokens in the loss, under the names the variant declares (``Variant.stat_names``)."""
+
+    def __call__(self, ratio: Tensor, adv: Tensor, cfg: LossConfig, /) -> dict[str, Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Variant:
-    """One row of the loss table: the policy term per token and the reduction to a scalar."""
+    """One row of the loss table: the policy term per token and the reduction to a scalar; its
+    typed options (a dataclass read from ``loss.options``, checked before the run; None: it takes
+    none) and its own stats with their names (the metrics' columns)."""
 
     policy_term: PolicyTerm
     reduce: Reduction
+    options: type | None = None
+    stats: VariantStats | None = None
+    stat_names: tuple[str, ...] = ()
 
 
 # loss.loss_type -> its row; the order is the one error messages list the names in.
@@ -121,6 +144,23 @@ LOSSES: dict[str, Variant] = {
     "bnpo": Variant(policy_term=clipped_surrogate, reduce=token_mean),
     "dr_grpo": Variant(policy_term=clipped_surrogate, reduce=constant_length),
     "dapo": Variant(policy_term=clipped_surrogate, reduce=token_mean),
+    # CISPO (MiniMax-M1, TRL loss_type="cispo"): the clipped weight, detached, times log p;
+    # normalised over the step's tokens, as TRL does.
+    "cispo": Variant(
+        policy_term=cispo,
+        reduce=token_mean,
+        options=CispoOptions,
+        stats=cispo_stats,
+        stat_names=("cispo_clip_ratio",),
+    ),
+    # SAPO (TRL loss_type="sapo"): a soft temperature gate for the clip; per-sequence mean, as TRL.
+    "sapo": Variant(
+        policy_term=sapo,
+        reduce=per_sequence_mean,
+        options=SapoOptions,
+        stats=sapo_stats,
+        stat_names=("sapo/gate_mean",),
+    ),
 }
 
 
@@ -196,6 +236,10 @@ def grpo_loss(
 
     loss = variant.reduce(per_token_loss, valid, counts)  # []
     stats = loss_stats(ratio, adv, kl, valid, zero_std_flags, clip_range(cfg), b.num_generations)
+    if variant.stats is not None:  # the variant's own: means over the tokens in the loss
+        validf = valid.to(ratio.dtype)  # [B, T]
+        for name, per_token in variant.stats(ratio, adv, cfg).items():
+            stats[name] = (per_token.to(ratio.dtype) * validf).sum().detach() / validf.sum().clamp(min=1.0)
     return loss, stats
 
 

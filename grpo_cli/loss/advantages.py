@@ -150,6 +150,42 @@ def group_advantages(
     return advantages, zero_std, group_std
 
 
+def normalize_then_sum(values: Tensor, weights: Tensor, num_generations: int, *, cfg: LossConfig) -> Tensor:
+    """GDPO (``loss.multi_objective_aggregation=normalize_then_sum``): each reward normalised within
+    its group, then the weighted sum, ``[B]``, which group_advantages then scales as usual.
+
+    TRL 1.16's ``_generate_and_score_completions`` (trl/trainer/grpo_trainer.py, lines 2790-2797):
+    ``(r_k - nanmean_group(r_k)) / (nanstd_group(r_k) + 1e-4)``, weighted ``nansum`` over k. Here
+    the std is of kind ``cfg.std`` and the epsilon ``cfg.eps`` (grpo-cli's one source for both;
+    TRL uses the sample std and 1e-4), and a reward constant in a group (std below
+    ``zero_std_threshold``) contributes exactly 0 there. A shaping reward then moves the
+    advantages no more than the correctness reward, whatever its scale. TRL follows with a batch
+    normalisation; grpo-cli's ``scale_rewards`` applies instead (per group by default).
+
+    Args:
+        values: ``[B, R]`` each reward's value, NaN where it gave none (not applicable): such a
+            value adds nothing, and the mean and std are over the group's other values.
+        weights: ``[R]`` the rewards' weights.
+    """
+    G = num_generations
+    if values.dim() != 2 or tuple(weights.shape) != (values.shape[1],):
+        raise ValueError(
+            f"values must be [B, R] and weights [R], got {tuple(values.shape)}, {tuple(weights.shape)}"
+        )
+    v = values.detach().to(_compute_dtype(values.dtype)).view(-1, G, values.shape[1])  # [B/G, G, R]
+    present = ~v.isnan()  # [B/G, G, R]
+    count = present.sum(dim=1, keepdim=True).clamp(min=1)  # [B/G, 1, R]
+    filled = v.nan_to_num(0.0)  # [B/G, G, R]
+    mean = filled.sum(dim=1, keepdim=True) / count  # [B/G, 1, R]
+    sq = torch.where(present, (v - mean).pow(2), torch.zeros_like(v)).sum(dim=1, keepdim=True)  # [B/G, 1, R]
+    denom = (count - 1).clamp(min=1) if cfg.std == "sample" else count  # [B/G, 1, R]
+    std = (sq / denom).sqrt()  # [B/G, 1, R]
+    normed = torch.where(present, (v - mean) / (std + cfg.eps), torch.zeros_like(v))  # [B/G, G, R]
+    normed = torch.where(std < cfg.zero_std_threshold, torch.zeros_like(normed), normed)  # constant: 0
+    w = weights.to(device=v.device, dtype=v.dtype)  # [R]
+    return (normed * w).sum(dim=-1).reshape(-1)  # [B]
+
+
 # --------------------------------------------------------------------------- counts
 
 

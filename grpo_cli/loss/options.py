@@ -16,6 +16,7 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # normalize_then_sum: GDPO
 STD_KINDS = ("population", "sample")
 ESTIMATORS = ("grpo", "rloo")
 IS_LEVELS = ("token", "sequence")

@@ -29,6 +29,8 @@ Zero-std groups (ref 002), ``zero_std=``:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -167,3 +169,71 @@ def truncated_importance_weights(
     diff = trainer_logps.detach().to(cdtype) - sampler_logps.detach().to(cdtype)  # [B, T]
     diff = torch.where(mask != 0, diff, torch.zeros_like(diff)).clamp(max=LOG_RATIO_CLAMP)  # [B, T]
     return torch.exp(diff).clamp(max=cap)  # [B, T]
+
+
+# ---------------------------------------------------------------------------------------------
+# CISPO and SAPO (TRL 1.16, trl/trainer/grpo_trainer.py, _compute_loss; docs/reference.md)
+
+
+@dataclass(frozen=True)
+class CispoOptions:
+    """loss=cispo's options (loss.options.<name>)."""
+
+    # The cap on the importance weight (ScaleRL's epsilon_max; TRL's epsilon_high under
+    # loss_type=cispo, which it recommends at 5.0): tokens whose ratio exceeds it keep their
+    # gradient, weighted by the cap.
+    weight_max: float = 5.0
+
+
+@dataclass(frozen=True)
+class SapoOptions:
+    """loss=sapo's options (loss.options.<name>): the soft gate's temperatures (TRL's defaults)."""
+
+    temperature_pos: float = 1.0  # tokens of rows with a positive advantage
+    temperature_neg: float = 1.05  # the others: a slightly sharper gate
+
+
+def _typed(cfg: LossConfig, kind: type):
+    """The loss section's `options` as the variant's typed options (validated before the run)."""
+    return kind(**dict(getattr(cfg, "options", None) or {}))
+
+
+def cispo(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """CISPO per token, ``[B, T]``: ``-sg(min(r, weight_max)) * A * log r`` (MiniMax-M1; TRL's
+    ``-clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps``). The weight is
+    detached and clipped, never the token: every token keeps a gradient, ``-w A d log p``. The
+    value differs from TRL's by ``-w A old_logp`` (``log r = logp - old_logp``), a constant of
+    zero gradient."""
+    w = ratio.detach().clamp(max=_typed(cfg, CispoOptions).weight_max)  # [B, T]
+    return -w * adv * torch.log(ratio)  # [B, T]
+
+
+def cispo_stats(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> dict[str, Tensor]:
+    """cispo_clip_ratio (TRL's metric): the tokens whose weight the cap lowered, of rows with a
+    positive advantage, ``[B, T]`` bool."""
+    return {"cispo_clip_ratio": (ratio.detach() > _typed(cfg, CispoOptions).weight_max) & (adv > 0)}
+
+
+def _sapo_temperature(adv: Tensor, cfg: LossConfig) -> Tensor:
+    o = _typed(cfg, SapoOptions)
+    pos, neg = (
+        torch.tensor(float(t), dtype=adv.dtype, device=adv.device)
+        for t in (o.temperature_pos, o.temperature_neg)
+    )
+    return torch.where(adv > 0, pos, neg)  # [B, 1], in the advantages' dtype (1.05 not rounded to fp32)
+
+
+def sapo(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """SAPO per token, ``[B, T]``: ``-(4 / tau) * sigmoid(tau * (r - 1)) * A`` (Soft Adaptive
+    Policy Optimization; TRL's ``soft_coef_1``), tau = temperature_pos where A > 0, else
+    temperature_neg. A soft gate in place of the hard clip: the gradient's weight
+    ``4 sigmoid(x)(1 - sigmoid(x))``, x = tau (r - 1), is 1 on policy and decays smoothly as the
+    ratio leaves 1 in either direction."""
+    tau = _sapo_temperature(adv, cfg)  # [B, 1]
+    return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv  # [B, T]
+
+
+def sapo_stats(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> dict[str, Tensor]:
+    """sapo/gate_mean: the soft gate's weight on each token's gradient (1 on policy), ``[B, T]``."""
+    s = torch.sigmoid(_sapo_temperature(adv, cfg) * (ratio.detach() - 1.0))  # [B, T]
+    return {"sapo/gate_mean": 4.0 * s * (1.0 - s)}

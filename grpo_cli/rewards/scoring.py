@@ -478,4 +478,5 @@ def score(rewards, tokenizer, examples: list[Example], rollout, progress: Traine
         counters=counters,
         logged={name: tuple(v) for name, v in logs.metrics.items()},
         extra={name: tuple(v) for name, v in logs.extra.items()},
+        weights=tuple(float(spec.weight) for spec in rewards),
     )
