@@ -241,6 +241,8 @@ class UpdateStats:
         self.grad_norms: list[float] = []
         self.faults: list[str] = []  # the non-finite updates skipped, as lines for the divergence report
         self.no_signal = 0
+        # loss.sampler_correction=sequence_mask: the rows it masked (summed over ranks), and whether it ran
+        self.masked_rows, self.masking = 0.0, False
         # fp16: updates the grad scaler skipped (an overflow it handles by lowering its scale);
         # None without a scaler (no such column).
         self.scaler_skips: int | None = 0 if grad_scaler else None
@@ -261,6 +263,11 @@ class UpdateStats:
         self.entropy_sum += float(entropy[valid].sum())
         self.entropy_tokens += float(valid.sum())
 
+    def add_masked(self, rows: int) -> None:
+        """Rows loss.sampler_correction=sequence_mask masked in one micro-batch."""
+        self.masked_rows += rows
+        self.masking = True
+
     def add_mismatch(self, check, rows: int) -> None:
         """One micro-batch's |trainer - sampler| log-prob (a selfcheck.LogprobCheck, the one the
         step-0 self-check judges too), over its `rows`."""
@@ -275,7 +282,7 @@ class UpdateStats:
         if not d.enabled:
             return
         keys = [*self.keys, "num_tokens"]  # the same on every rank (a rank may have trained on none)
-        scalars = ("entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens", "rows")
+        scalars = ("entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens", "rows", "masked_rows")
         summed = d.sum(
             [self.sums.get(k, 0.0) for k in keys]
             + [self.last.get(k, 0.0) for k in keys]
@@ -296,33 +303,41 @@ class UpdateStats:
         (trainer.num_iterations: one loss each)."""
         n_tok = max(self.sums.get("num_tokens", 0.0), 1.0)
         n_last = max(self.last.get("num_tokens", 0.0), 1.0)
-        return {
-            **{key: self.sums.get(key, 0.0) / n_tok for key in self.keys},
-            "ratio_max": self.ratio_max,
-            **(
-                {
-                    f"{key}_last": self.last.get(key, 0.0) / n_last
-                    for key in ("clip_ratio/region_mean", "ratio_mean")
-                }
-                if len(self.losses) > 1
-                else {}
-            ),
-            # Over the rows trained on (num_rows_trained: zero-std groups skip the forward under
-            # loss.zero_std=mask); NaN on a step that trained on none.
-            "sampler/logp_diff_mean": self.mismatch_sum / self.mismatch_tokens
-            if self.mismatch_tokens
-            else math.nan,
-            "sampler/logp_diff_max": self.mismatch_max if self.mismatch_tokens else math.nan,
-            "entropy": self.entropy_sum / self.entropy_tokens if self.entropy_tokens else math.nan,
-            "num_rows_trained": int(self.rows),
-            # Means over the step's num_iterations updates (pre-clip norms, ref 000.7).
-            "grad_norm": sum(self.grad_norms) / len(self.grad_norms),
-            "grad_norm_max": max(self.grad_norms),
-            "loss": sum(self.losses) / len(self.losses),
-            "skipped_updates": len(self.faults) + self.no_signal + (self.scaler_skips or 0),
-            "skipped_updates/nonfinite": len(self.faults),
-            "skipped_updates/no_signal": self.no_signal,
-        } | ({} if self.scaler_skips is None else {"skipped_updates/grad_scaler": self.scaler_skips})
+        return (
+            {
+                **{key: self.sums.get(key, 0.0) / n_tok for key in self.keys},
+                "ratio_max": self.ratio_max,
+                **(
+                    {
+                        f"{key}_last": self.last.get(key, 0.0) / n_last
+                        for key in ("clip_ratio/region_mean", "ratio_mean")
+                    }
+                    if len(self.losses) > 1
+                    else {}
+                ),
+                # Over the rows trained on (num_rows_trained: zero-std groups skip the forward under
+                # loss.zero_std=mask); NaN on a step that trained on none.
+                "sampler/logp_diff_mean": self.mismatch_sum / self.mismatch_tokens
+                if self.mismatch_tokens
+                else math.nan,
+                "sampler/logp_diff_max": self.mismatch_max if self.mismatch_tokens else math.nan,
+                "entropy": self.entropy_sum / self.entropy_tokens if self.entropy_tokens else math.nan,
+                "num_rows_trained": int(self.rows),
+                # Means over the step's num_iterations updates (pre-clip norms, ref 000.7).
+                "grad_norm": sum(self.grad_norms) / len(self.grad_norms),
+                "grad_norm_max": max(self.grad_norms),
+                "loss": sum(self.losses) / len(self.losses),
+                "skipped_updates": len(self.faults) + self.no_signal + (self.scaler_skips or 0),
+                "skipped_updates/nonfinite": len(self.faults),
+                "skipped_updates/no_signal": self.no_signal,
+            }
+            | ({} if self.scaler_skips is None else {"skipped_updates/grad_scaler": self.scaler_skips})
+            | (
+                {}
+                if not self.masking
+                else {"sequence_mask/masked": self.masked_rows / max(self.rows, 1.0)}  # share of rows trained
+            )
+        )
 
 
 def pass_rate_histogram(passed: list[bool], G: int) -> list[int]:

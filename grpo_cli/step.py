@@ -33,6 +33,7 @@ from grpo_cli.loss import (
     has_learning_signal,
     loss_normalizers,
     normalize_then_sum,
+    sequence_mask_weights,
     truncated_importance_weights,
     variant,
     zero_std_groups,
@@ -411,11 +412,15 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
     only (Rollout.trained_mask)."""
     scorer, opt, precision, cfg = learner.scorer, learner.opt_step, learner.precision, learner.cfg
     lo, num_iterations, max_new_tokens = cfg.loss, cfg.trainer.num_iterations, cfg.sampler.max_new_tokens
-    updates = UpdateStats(grad_scaler=opt.scaler is not None, variant_stats=variant(lo.loss_type).stat_names)
+    masks = ("off_policy_mask/masked",) if lo.off_policy_mask_threshold is not None else ()
+    updates = UpdateStats(
+        grad_scaler=opt.scaler is not None, variant_stats=(*variant(lo.loss_type).stat_names, *masks)
+    )
     seconds = {"policy": 0.0, "optimizer": 0.0}
     sampler_logps = batch.rollout.sampler_logps  # [N, C]
     old_logps = torch.zeros_like(sampler_logps) if num_iterations > 1 else None  # [N, C]
-    is_weights = torch.ones_like(sampler_logps) if lo.sampler_correction == "tis" else None  # [N, C]
+    corrects = lo.sampler_correction in ("tis", "sequence_mask")
+    is_weights = torch.ones_like(sampler_logps) if corrects else None  # [N, C]
     results, check = [], None
     for iteration in range(num_iterations):
         order = plan.order()
@@ -445,10 +450,15 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
                     scores.behaviour, r.sampler_logps, r.trained_mask, learner.tolerance
                 )
                 updates.add_mismatch(mismatch, len(rows))
-                if is_weights is not None:
+                if lo.sampler_correction == "tis":
                     is_weights[rows, :C] = truncated_importance_weights(
                         scores.behaviour, r.sampler_logps, r.trained_mask, cap=lo.tis_cap
                     )
+                elif lo.sampler_correction == "sequence_mask":
+                    is_weights[rows, :C] = sequence_mask_weights(
+                        scores.behaviour, r.sampler_logps, r.trained_mask, cap=lo.tis_cap, floor=lo.tis_min
+                    )
+                    updates.add_masked(int((is_weights[rows, 0] == 0).sum()))
                 if ctx.self_check is not None:
                     check = ctx.self_check.micro_batch(mismatch, r, check)
             else:
@@ -461,13 +471,16 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
                 zero_std_flags=mb.zero_std,
                 group_std=mb.group_std,
                 importance_weights=None if is_weights is None else is_weights[rows, :C],
+                sampler_logps=r.sampler_logps if lo.off_policy_mask_threshold is not None else None,
                 num_generations=r.num_generations,
             )
-            loss, stats = grpo_loss(logps, loss_batch, cfg=lo, counts=Counts(*ctx.norms, max_new_tokens))
+            loss, stats = grpo_loss(
+                logps, loss_batch, cfg=lo, counts=Counts(*ctx.norms, max_new_tokens), entropy=scores.entropy
+            )
             with gradient_sync(scorer, sync):
                 opt.backward(loss)
             loss_total += float(loss.detach())
-            updates.add(stats, scores.entropy, r.trained_mask)
+            updates.add(stats, scores.entropy.detach(), r.trained_mask)
         if iteration == 0 and check is not None:
             selfcheck.report(check, batch.advantages, batch.zero_std, len(plan.rows), log)
         seconds["policy"] += time.perf_counter() - tick

@@ -265,3 +265,77 @@ def test_fsdp2_sharded_model_scores_chunked_with_the_whole_logits_gradients(name
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=grpo_env())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert res.stdout.count("chunked under FSDP2 ok") == 2, res.stdout
+
+
+# ----------------------------------------------------------------------------- the entropy's gradient
+
+
+def _entropy_grads(model, tensors, chunk_size, weights, shared=True):
+    """The gradient of a loss of the log-probs and the entropy together (the entropy bonus's
+    shape), the entropy scored with its gradient (ScoringOptions.entropy_grad)."""
+    options = ScoringOptions(0.7, entropy_grad=True, chunk_size=chunk_size)
+    scores = score_tokens(model, *tensors, options, G if shared else 1)
+    mask = tensors[3].float()
+    loss = (scores.logps * mask * weights[:, None]).sum() - 0.3 * (scores.entropy * mask).sum()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return scores, torch.autograd.grad(loss, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_the_entropys_gradient_chunked_equals_the_whole_logits(name):
+    """The entropy bonus needs d H / d theta: chunks of 5 tokens against the whole logits, every
+    parameter's gradient of log-probs and entropy together to 1e-6 relative (fp32)."""
+    model = build(name).train()
+    _, _, tensors = batch(True)
+    weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])
+    chunked, ours = _entropy_grads(model, tensors, 5, weights)
+    whole, theirs = _entropy_grads(model, tensors, 0, weights)
+    mask = tensors[3].bool()
+    assert chunked.entropy.requires_grad and whole.entropy.requires_grad
+    torch.testing.assert_close(chunked.entropy[mask], whole.entropy[mask], rtol=1e-6, atol=1e-6)
+    _assert_same_grads([n for n, _ in model.named_parameters()], ours, theirs)
+
+
+@pytest.mark.parametrize("bias, softcap, temperature", [(False, None, 1.0), (True, 3.0, 1.3)])
+def test_the_output_layers_own_backward_gives_the_entropys_gradient(bias, softcap, temperature):
+    """_LinearHeadScores with entropy_grad against autograd through the whole logits: the
+    gradients of log-probs and entropy weighted apart, to the hidden states, weight and bias."""
+    from grpo_cli.logprobs import OutputLayer, chunked_scores, token_scores
+
+    torch.manual_seed(1)
+    V, H = 50, 16
+    head = torch.nn.Linear(H, V, bias=bias)
+    out = OutputLayer(head, softcap)
+    hidden = torch.randn(2, 5, H, requires_grad=True)
+    targets = torch.randint(0, V, (2, 5))
+    a, b = torch.randn(2, 5), torch.randn(2, 5)
+    params = [hidden, head.weight] + ([head.bias] if bias else [])
+    ours = chunked_scores(out, hidden, targets, ScoringOptions(temperature, entropy_grad=True), chunk=3)
+    g_ours = torch.autograd.grad((ours.logps * a).sum() + (ours.entropy * b).sum(), params)
+    theirs = token_scores(out.logits(hidden) / temperature, targets, temperature=1.0, entropy_grad=True)
+    g_theirs = torch.autograd.grad((theirs.logps * a).sum() + (theirs.entropy * b).sum(), params)
+    torch.testing.assert_close(ours.entropy, theirs.entropy, rtol=1e-6, atol=1e-6)
+    for x, y in zip(g_ours, g_theirs):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    # Without entropy_grad the entropy is a monitored value: no gradient.
+    plain = chunked_scores(out, hidden, targets, ScoringOptions(temperature, with_entropy=True), chunk=3)
+    assert not plain.entropy.requires_grad
+
+
+def test_lora_on_the_output_layer_gets_the_entropys_gradient_chunked():
+    """The checkpointed chunk path (a LoRA-wrapped output layer) with the entropy's gradient."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        build("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.train()
+    _, _, tensors = batch(True)
+    weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])
+    _, ours = _entropy_grads(model, tensors, 3, weights)
+    _, theirs = _entropy_grads(model, tensors, 0, weights)
+    _assert_same_grads([n for n, p in model.named_parameters() if p.requires_grad], ours, theirs)

@@ -44,8 +44,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, **kw):
     cfg, rest = _split(kw)
     n_seq, n_tok, L = (rest.pop(k, None) for k in ("num_sequences", "num_tokens", "max_new_tokens"))
     counts = None if n_seq is None else Counts(n_seq, n_tok, logps.shape[1] if L is None else L)
+    entropy = rest.pop("entropy", None)
     batch = LossBatch(old_logps, advantages, mask, ref_logps, **rest)
-    return loss_module.grpo_loss(logps, batch, cfg=cfg, counts=counts)
+    return loss_module.grpo_loss(logps, batch, cfg=cfg, counts=counts, entropy=entropy)
 
 
 def group_advantages(rewards, num_generations, **kw):
@@ -937,3 +938,113 @@ def test_gdpo_keeps_a_large_shaping_reward_from_drowning_correctness():
     assert summed[:4].argmax().item() == 1  # the shaping reward decides
     assert gdpo[0] > gdpo[2] and gdpo[0] > gdpo[3]  # the correct row now beats the ones worth less shaping
     assert zero.tolist() == [False] * 4 + [True] * 4 and torch.equal(gdpo[4:], torch.zeros(4, dtype=F64))
+
+
+# --------------------------------------------------------------------------- entropy terms
+
+
+@pytest.mark.parametrize("mode", ZERO_STD_MODES)
+def test_entropy_bonus_is_minus_coef_times_the_mean_entropy(mode):
+    """loss(coef) - loss(0) = -coef * sum(H over the tokens in the loss, zero-std rows left out) /
+    the step's tokens; its gradient wrt H is -coef / num_tokens there and exactly 0 on padding and
+    on the zero-std group's rows, whatever the zero_std mode (ref 002)."""
+    logps, old, ref, mask, adv, zero, gstd = zero_std_setup()
+    entropy = torch.rand(mask.shape, dtype=F64, generator=torch.Generator().manual_seed(4)) * 3
+    n_seq, n_tok = loss_normalizers(mask, zero, zero_std_mode=mode)
+    kw = dict(
+        beta=0.04, zero_std=mode, zero_std_flags=zero, group_std=gstd, num_sequences=n_seq, num_tokens=n_tok
+    )
+    base, _ = grpo_loss(logps, old, ref, adv, mask, **kw)
+    leaf = entropy.clone().requires_grad_(True)
+    with_bonus, _ = grpo_loss(logps, old, ref, adv, mask, entropy=leaf, entropy_coef=0.05, **kw)
+    with_bonus.backward()
+    keep = mask.bool() & ~zero.unsqueeze(1)
+    assert torch.allclose(with_bonus - base, -0.05 * entropy[keep].sum() / n_tok, atol=1e-12)
+    assert torch.allclose(leaf.grad[keep], torch.full_like(leaf.grad[keep], -0.05 / n_tok))
+    assert torch.equal(leaf.grad[~keep], torch.zeros_like(leaf.grad[~keep]))
+
+
+def test_entropy_bonus_accumulates_to_the_steps_mean():
+    """Micro-batches of 2 rows sum to the one-call loss and entropy gradient (step-wide counts)."""
+    logps, old, ref, mask = make_batch([5, 2, 4, 1, 3, 5], 5, seed=2)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=F64)
+    entropy = torch.rand(mask.shape, dtype=F64, generator=torch.Generator().manual_seed(6))
+    n_seq, n_tok = loss_normalizers(mask)
+    kw = dict(entropy_coef=0.1, loss_type="dapo", num_sequences=n_seq, num_tokens=n_tok)
+    full_leaf = entropy.clone().requires_grad_(True)
+    full, _ = grpo_loss(logps, old, None, adv, mask, entropy=full_leaf, **kw)
+    full.backward()
+    leaf = entropy.clone().requires_grad_(True)
+    total = sum(
+        grpo_loss(
+            logps[s : s + 2],
+            old[s : s + 2],
+            None,
+            adv[s : s + 2],
+            mask[s : s + 2],
+            entropy=leaf[s : s + 2],
+            **kw,
+        )[0]
+        for s in range(0, 6, 2)
+    )
+    total.backward()
+    assert torch.allclose(total, full) and torch.allclose(leaf.grad, full_leaf.grad)
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.5])
+def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(quantile):
+    """TRL's rule written here: the threshold is the (1 - q) quantile of the valid tokens'
+    entropies; the policy term's gradient is the unmasked one on tokens at or above it and 0 on
+    the others (the normaliser unchanged)."""
+    logps, old, ref, mask = make_batch([5, 3, 4, 5], 5, seed=8)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=F64)
+    entropy = torch.rand(mask.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
+    _, g_all, _ = grad_of(logps, old, None, adv, mask)
+    _, g_top, _ = grad_of(logps, old, None, adv, mask, entropy=entropy, top_entropy_quantile=quantile)
+    threshold = torch.quantile(entropy[mask.bool()], 1 - quantile)
+    high = (entropy >= threshold) & mask.bool()
+    assert 0 < high.sum() < mask.sum()
+    assert torch.allclose(g_top[high], g_all[high]) and torch.equal(
+        g_top[~high], torch.zeros_like(g_top[~high])
+    )
+
+
+def test_entropy_terms_without_the_entropy_raise():
+    logps, old, _, mask = make_batch([3, 2], 3)
+    with pytest.raises(ValueError, match="needs the entropy"):
+        grpo_loss(logps, old, None, torch.ones(2, dtype=F64), mask, entropy_coef=0.1)
+
+
+# --------------------------------------------------------------------------- sequence masks
+
+
+def test_sequence_mask_weights_are_trls_sequence_mask():
+    """TRL's sequence_mask written here: rho = exp(sum over the row's tokens of trainer - sampler),
+    the row's weight inside [floor, cap], 0 outside; padding adds nothing to the sum."""
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -9.0], [-0.2, -0.3, -0.4]], dtype=F64)
+    sampler = torch.tensor([[-1.5, -2.5, -0.6], [-0.1, -0.2, 0.0], [-0.25, -0.35, -0.45]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=F64)
+    w = loss_module.sequence_mask_weights(trainer, sampler, mask, cap=2.0, floor=0.5)
+    rho = torch.exp(((trainer - sampler) * mask).sum(-1))  # [3]: e^1.1, e^-1.7, e^0.15
+    expected = torch.where((rho > 2.0) | (rho < 0.5), torch.zeros_like(rho), rho)
+    assert torch.allclose(w, expected.unsqueeze(1).expand_as(w))
+    assert w[0].eq(0).all() and w[1].eq(0).all() and w[2].gt(1).all()  # above the cap, below the floor, kept
+
+
+def test_off_policy_mask_drops_negative_far_off_policy_sequences():
+    """DeepSeek-V3.2's mask, as TRL computes it: only a sequence with a negative advantage and a
+    mean (sampler - policy) log-prob gap above the threshold leaves the policy term."""
+    logps = torch.full((4, 3), -1.0, dtype=F64)
+    sampler = torch.tensor(
+        [[-0.1] * 3, [-0.1] * 3, [-0.9] * 3, [-0.9] * 3], dtype=F64
+    )  # gaps 0.9, 0.9, 0.1, 0.1
+    mask = torch.ones(4, 3, dtype=F64)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=F64)
+    _, g_plain, _ = grad_of(logps, logps, None, adv, mask)
+    _, g_masked, stats = grad_of(
+        logps, logps, None, adv, mask, sampler_logps=sampler, off_policy_mask_threshold=0.5
+    )
+    kept = torch.tensor([True, False, True, True])
+    assert torch.equal(g_masked[~kept], torch.zeros_like(g_masked[~kept]))
+    assert torch.allclose(g_masked[kept], g_plain[kept])
+    assert math.isclose(stats["off_policy_mask/masked"].item(), 0.25)

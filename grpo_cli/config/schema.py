@@ -150,8 +150,23 @@ class LossConfig:
     # auto: from the backend's declared facts (samplers.Facts.exact_draw): none where the draw is
     # exact (builtin: the same model and kernels, the gap is rounding only), tis otherwise (vllm:
     # its kernels and weights copy are not the trainer's).
-    sampler_correction: str = "auto"  # auto | none | tis
-    tis_cap: float = 2.0
+    # sequence_mask (TRL's default vllm_importance_sampling_mode, OpenRLHF is_correction): one ratio
+    # per sequence, exp(sum of trainer - sampler log-probs), weights the sequence's policy term
+    # where it lies in [tis_min, tis_cap], and masks the whole sequence where it does not.
+    sampler_correction: str = "auto"  # auto | none | tis | sequence_mask
+    tis_cap: float = 2.0  # the upper bound of the correction's ratio (TRL: clip_max, 3.0 for its mask)
+    tis_min: Optional[float] = None  # sequence_mask's lower bound; None: none (TRL's clip_min)
+    # The off-policy sequence mask (DeepSeek-V3.2; TRL's off_policy_mask_threshold, e.g. 0.5): a
+    # sequence with a negative advantage whose mean per-token KL from the sampler's distribution to
+    # the current policy exceeds it leaves the policy term. None: off.
+    off_policy_mask_threshold: Optional[float] = None
+    # The entropy bonus (TRL's name and meaning): the loss minus entropy_coef x the mean entropy of
+    # the tokens in the loss (those of zero-std groups excluded, ref 002), an exploration push; 0:
+    # off. Its gradient comes through the chunked log-probs too (logprobs/chunked.py).
+    entropy_coef: float = 0.0
+    # Train only the highest-entropy tokens (the "80/20" rule; TRL's name): 0.2 keeps each
+    # micro-batch's top 20% of tokens by entropy in the policy term; 1.0: every token.
+    top_entropy_quantile: float = 1.0
     # A loss variant plug-in's own options (loss.loss_type=my_pkg.my_loss, grpo_cli/plugins.py),
     # typed by its declaration; its policy term reads them as cfg.options. The built-in rows take none.
     options: Dict[str, Any] = field(default_factory=dict)

@@ -11,6 +11,7 @@ and the unused settings, which compare each group with its schema defaults."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -167,6 +168,23 @@ def _loss_problems(lo: Any) -> list[str]:
         )
     if lo.delta is not None and not lo.delta > 1:
         problems.append(f"loss.delta={lo.delta} must be > 1 (it caps the ratio), or null to disable.")
+    if not (isinstance(lo.top_entropy_quantile, (int, float)) and 0 < lo.top_entropy_quantile <= 1):
+        problems.append(
+            f"loss.top_entropy_quantile={lo.top_entropy_quantile} must be in (0, 1]: the share of each "
+            "micro-batch's tokens, by entropy, that the policy term trains on (0.2: the top 20%; 1.0: all)."
+        )
+    if not math.isfinite(lo.entropy_coef):
+        problems.append(f"loss.entropy_coef={lo.entropy_coef} must be a finite number (0: no entropy bonus).")
+    if lo.tis_min is not None and not 0 <= lo.tis_min < lo.tis_cap:
+        problems.append(
+            f"loss.tis_min={lo.tis_min} must be >= 0 and below loss.tis_cap={lo.tis_cap} (the band a "
+            "sequence's ratio to the sampler must lie in), or null for no lower bound."
+        )
+    if lo.off_policy_mask_threshold is not None and not lo.off_policy_mask_threshold > 0:
+        problems.append(
+            f"loss.off_policy_mask_threshold={lo.off_policy_mask_threshold} must be > 0 (a mean per-token KL; "
+            "DeepSeek-V3.2 and TRL suggest about 0.5), or null to keep every sequence."
+        )
     if not lo.tis_cap > 0:
         problems.append(
             f"loss.tis_cap={lo.tis_cap} must be > 0 (it caps the TIS weights); 2.0 is the usual value."
@@ -372,6 +390,12 @@ def unused_settings(cfg: Any) -> list[str]:
             f"loss.tis_cap={lo.tis_cap} is ignored with loss.sampler_correction={shown} (it caps the truncated "
             "importance-sampling weights): choose loss.sampler_correction=tis to correct for the "
             "sampler's numerics, otherwise drop loss.tis_cap."
+        )
+    if correction != "sequence_mask" and lo.tis_min is not None:
+        problems.append(
+            f"loss.tis_min={lo.tis_min} is read by loss.sampler_correction=sequence_mask alone (the lower "
+            f"bound of a sequence's ratio), and it is {correction}: choose sequence_mask, otherwise drop "
+            "loss.tis_min."
         )
     if known_backend:
         foreign = samplers.foreign_keys(cfg.sampler.backend)

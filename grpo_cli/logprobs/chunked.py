@@ -111,18 +111,24 @@ def _sharded(module) -> bool:
     return any(hasattr(p, "to_local") for p in module.parameters())
 
 
-def _chunk_scores(out: OutputLayer, hidden, targets, temperature, with_entropy, top_k, top_p):
+def _chunk_scores(
+    out: OutputLayer, hidden, targets, temperature, with_entropy, top_k, top_p, entropy_grad=False
+):
     """One chunk: hidden [n, H], targets [n] -> (logps [n], entropy [n] or None, behaviour [n]).
-    Its logits [n, V] live only inside (recomputed in the backward: chunked_scores)."""
+    Its logits [n, V] live only inside (recomputed in the backward: chunked_scores). entropy_grad:
+    the entropy keeps its gradient."""
     logits = out.logits(hidden).float()  # [n, V]
     if temperature != 1.0:
         logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
     logps = picked - torch.logsumexp(logits, dim=-1)
     entropy = behaviour = None
+    if entropy_grad:
+        logp = F.log_softmax(logits, dim=-1)  # [n, V]
+        entropy = -(logp.exp() * logp).sum(-1)
     with torch.no_grad():
         row = logits.detach()
-        if with_entropy:
+        if with_entropy and not entropy_grad:
             logp = F.log_softmax(row, dim=-1)
             entropy = -(logp.exp() * logp).sum(-1)
         if truncates(top_k, top_p):
@@ -179,10 +185,11 @@ def _chunk_stats(logits, targets, with_entropy, top_k, top_p):
     return logps, entropy, behaviour, top.squeeze(-1) + log_total, probs
 
 
-def _logit_grad(probs, targets, scale, temperature, capped, start=0):
-    """d log p(target) / d (output layer's logits) [n, V], times scale [n] (None: 1); overwrites
-    probs and capped: (onehot - p) / temperature, through the soft-capping's tanh if any. probs
-    may be the vocabulary's columns start.. only (a target outside them gets no onehot)."""
+def _logit_grad(probs, targets, scale, temperature, capped, start=0, extra=None):
+    """d log p(target) / d (output layer's logits) [n, V], times scale [n] (None: 1), plus `extra`
+    (another gradient wrt the tempered logits, [n, V]: the entropy's); overwrites probs and capped:
+    ((onehot - p) scale + extra) / temperature, through the soft-capping's tanh if any. probs may
+    be the vocabulary's columns start.. only (a target outside them gets no onehot)."""
     grad = probs.neg_()
     local = targets - start
     inside = (local >= 0) & (local < grad.shape[1])  # [n]
@@ -191,11 +198,19 @@ def _logit_grad(probs, targets, scale, temperature, capped, start=0):
     )
     if scale is not None:
         grad.mul_(scale.unsqueeze(-1))
+    if extra is not None:
+        grad.add_(extra)
     if temperature != 1.0:
         grad.div_(temperature)
     if capped is not None:
         grad.mul_(capped.square_().neg_().add_(1))
     return grad
+
+
+def _entropy_logit_grad(probs, entropy):
+    """d H / d (tempered logits) [n, V] of the entropy H = -sum p log p: -p (log p + H) (p [n, V]
+    normalised, H [n]; p log p is 0 where p underflows to 0)."""
+    return torch.special.xlogy(probs, probs).add_(probs * entropy.unsqueeze(-1)).neg_()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,14 +224,16 @@ class _HeadSpec:
     with_entropy: bool
     top_k: int
     top_p: float
+    entropy_grad: bool = False  # the entropy keeps its gradient (the entropy bonus)
 
 
-def _head_pass(h, w, b, targets, spec: _HeadSpec, *, dhidden):
+def _head_pass(h, w, b, targets, spec: _HeadSpec, *, dhidden, dentropy=None):
     """The chunk loop of _LinearHeadScores.forward (no autograd): hidden h [N, H] and output layer
     (w, b) already in the compute dtype -> (logps, entropy, behaviour, lse) [N] each, and, when
-    dhidden [N, H] is given, d log p / d hidden written into it."""
+    dhidden [N, H] is given, d log p / d hidden written into it (and d H / d hidden into
+    dentropy [N, H], when given)."""
     temperature, softcap, chunk = spec.temperature, spec.softcap, spec.chunk
-    with_entropy, top_k, top_p = spec.with_entropy, spec.top_k, spec.top_p
+    with_entropy, top_k, top_p = spec.with_entropy or spec.entropy_grad, spec.top_k, spec.top_p
     N = h.shape[0]
     new = lambda: torch.empty(N, device=h.device)  # noqa: E731
     logps, lses = new(), new()
@@ -234,6 +251,14 @@ def _head_pass(h, w, b, targets, spec: _HeadSpec, *, dhidden):
             entropy[part] = ent
         if behaviour is not None:
             behaviour[part] = beh
+        if dentropy is not None:  # before _logit_grad overwrites probs and capped
+            dent = _entropy_logit_grad(probs, ent)  # [n, V]
+            if temperature != 1.0:
+                dent.div_(temperature)
+            if capped is not None:
+                dent.mul_(1 - capped.square())
+            dentropy[part] = dent.to(w.dtype) @ w  # [n, H]
+            del dent
         if dhidden is not None:
             dlogits = _logit_grad(probs, targets[part], None, temperature, capped)  # [n, V]
             dhidden[part] = dlogits.to(w.dtype) @ w  # [n, H]
@@ -243,16 +268,20 @@ def _head_pass(h, w, b, targets, spec: _HeadSpec, *, dhidden):
 
 def _head_scores(hidden, weight, bias, targets, spec: _HeadSpec, *, with_dhidden):
     """hidden [N, H], the output layer (weight, bias) cast to the compute dtype (autocast off
-    inside: the dtypes are set here), and _head_pass on them: ((h, w, b, dhidden), (logps,
-    entropy, behaviour, lse)); dhidden [N, H] (d log p / d hidden) only when with_dhidden."""
+    inside: the dtypes are set here), and _head_pass on them: ((h, w, b, dhidden, dentropy),
+    (logps, entropy, behaviour, lse)); dhidden [N, H] (d log p / d hidden) only when with_dhidden,
+    dentropy [N, H] (d H / d hidden) when also spec.entropy_grad."""
     dtype = _compute_dtype(weight)
     with torch.autocast(weight.device.type, enabled=False):
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         h = hidden.to(dtype)
         dhidden = torch.empty(h.shape, device=h.device, dtype=dtype) if with_dhidden else None
-        scores = _head_pass(h, w, b, targets, spec, dhidden=dhidden)
-    return (h, w, b, dhidden), scores
+        dentropy = (
+            torch.empty(h.shape, device=h.device, dtype=dtype) if with_dhidden and spec.entropy_grad else None
+        )
+        scores = _head_pass(h, w, b, targets, spec, dhidden=dhidden, dentropy=dentropy)
+    return (h, w, b, dhidden, dentropy), scores
 
 
 class _Operands(NamedTuple):
@@ -263,10 +292,13 @@ class _Operands(NamedTuple):
     b: torch.Tensor | None  # [V] bias
 
 
-def _head_weight_grad(ops: _Operands, targets, lses, dlogps, spec: _HeadSpec, weight_dtype):
+def _head_weight_grad(
+    ops: _Operands, targets, lses, dlogps, spec: _HeadSpec, weight_dtype, entropy=None, dentropy=None
+):
     """The output layer's gradient (weight [V, H], bias [V] or None) in weight_dtype, from the
     operands ops (hidden h [N, H] and (w, b) in the compute dtype), the forward's logsumexps
-    lses [N] and the upstream dlogps [N]. Sliced by vocabulary rows, not by tokens: each slice recomputes its logits for all
+    lses [N] and the upstream dlogps [N] (and, for the entropy's gradient, the entropy [N] and its
+    upstream dentropy [N]; None: none). Sliced by vocabulary rows, not by tokens: each slice recomputes its logits for all
     N tokens ([N, v], as many elements as a token chunk's [chunk, V]) and writes its rows of the
     gradient with one matmul over all tokens. A token-chunked loop would add a whole [V, H]
     partial gradient per chunk (a bf16 temporary and an fp32 read-modify-write of V * H each
@@ -285,14 +317,17 @@ def _head_weight_grad(ops: _Operands, targets, lses, dlogps, spec: _HeadSpec, we
             if temperature != 1.0:
                 logits.div_(temperature)
             probs = logits.sub_(lses.unsqueeze(-1)).exp_()  # [N, v]
-            dlogits = _logit_grad(probs, targets, dlogps, temperature, capped, start)  # [N, v]
+            extra = None
+            if dentropy is not None:
+                extra = _entropy_logit_grad(probs, entropy).mul_(dentropy.unsqueeze(-1))  # [N, v]
+            dlogits = _logit_grad(probs, targets, dlogps, temperature, capped, start, extra)  # [N, v]
             if w.dtype == grad_weight.dtype:
                 torch.mm(dlogits.to(w.dtype).t(), h, out=grad_weight[part])
             else:  # a bf16/fp16 matmul, as autograd's would be
                 grad_weight[part] = dlogits.to(w.dtype).t() @ h
             if grad_bias is not None:
                 grad_bias[part] = dlogits.sum(0)
-            del logits, probs, dlogits, capped
+            del logits, probs, dlogits, capped, extra
     return grad_weight, grad_bias
 
 
@@ -303,34 +338,40 @@ class _LinearHeadScores(torch.autograd.Function):
     gradient to the hidden states costs no recompute; only a trained output layer's own gradient
     recomputes the logits in the backward (_head_weight_grad: a slice of the vocabulary for every
     token at a time, as many elements as a chunk). No [n, V] tensor outlives its chunk.
-    Entropy and behaviour log-probs carry no gradient (monitoring and the sampler's contract)."""
+    The behaviour log-probs carry no gradient (the sampler's contract); the entropy carries one
+    only under spec.entropy_grad (the entropy bonus: d H / d hidden kept per token too, [N, H])."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec: _HeadSpec):
         train_head = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        (h, w, b, dhidden), (logps, entropy, behaviour, lses) = _head_scores(
+        (h, w, b, dhidden, dentropy), (logps, entropy, behaviour, lses) = _head_scores(
             hidden, weight, bias, targets, spec, with_dhidden=ctx.needs_input_grad[0]
         )
         if train_head:
-            ctx.save_for_backward(dhidden, h, w, b, targets, lses)
+            ctx.save_for_backward(dhidden, dentropy, h, w, b, targets, lses, entropy)
         else:
-            ctx.save_for_backward(dhidden)
+            ctx.save_for_backward(dhidden, dentropy)
         ctx.args = (spec, hidden.dtype, weight.dtype, train_head)
-        ctx.mark_non_differentiable(*(t for t in (entropy, behaviour) if t is not None))
+        fixed = (behaviour,) if spec.entropy_grad else (entropy, behaviour)
+        ctx.mark_non_differentiable(*(t for t in fixed if t is not None))
         return logps, entropy, behaviour
 
     @staticmethod
-    def backward(ctx, dlogps, _dentropy, _dbehaviour):
+    def backward(ctx, dlogps, dentropy_up, _dbehaviour):
         spec, hidden_dtype, weight_dtype, train_head = ctx.args
-        dhidden, *rest = ctx.saved_tensors
+        dhidden, dentropy, *rest = ctx.saved_tensors
         dlogps = dlogps.float()  # [N]
+        up = None if dentropy_up is None or not spec.entropy_grad else dentropy_up.float()  # [N]
         grad_hidden = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = (dhidden.float() * dlogps.unsqueeze(-1)).to(hidden_dtype)  # [N, H]
+            grad = dhidden.float() * dlogps.unsqueeze(-1)  # [N, H]
+            if up is not None:
+                grad = grad + dentropy.float() * up.unsqueeze(-1)
+            grad_hidden = grad.to(hidden_dtype)
         if train_head:
-            h, w, b, targets, lses = rest
+            h, w, b, targets, lses, entropy = rest
             grad_weight, grad_bias = _head_weight_grad(
-                _Operands(h, w, b), targets, lses, dlogps, spec, weight_dtype
+                _Operands(h, w, b), targets, lses, dlogps, spec, weight_dtype, entropy, up
             )
         return grad_hidden, grad_weight, grad_bias, None, None
 
@@ -372,7 +413,7 @@ def chunked_scores(
     truncating = truncates(top_k, top_p)
     if _plain_linear(out.head):
         head = out.head
-        spec = _HeadSpec(temperature, out.softcap, chunk, with_entropy, top_k, top_p)
+        spec = _HeadSpec(temperature, out.softcap, chunk, with_entropy, top_k, top_p, options.entropy_grad)
         if torch.is_grad_enabled():
             logps, entropy, behaviour = _LinearHeadScores.apply(
                 flat_hidden, head.weight, head.bias, flat_targets, spec
@@ -388,7 +429,7 @@ def chunked_scores(
     logps, entropies, behaviours = [], [], []
     for start in range(0, B * T, chunk):
         args = (out, flat_hidden[start : start + chunk], flat_targets[start : start + chunk])
-        rest = (temperature, with_entropy, top_k, top_p)
+        rest = (temperature, with_entropy, top_k, top_p, options.entropy_grad)
         if grad:
             lp, ent, beh = checkpoint(_chunk_scores, *args, *rest, use_reentrant=False)
         else:
@@ -399,6 +440,6 @@ def chunked_scores(
     logps = torch.cat(logps).view(B, T)
     return TokenScores(
         logps,
-        torch.cat(entropies).view(B, T) if with_entropy else None,
+        torch.cat(entropies).view(B, T) if with_entropy or options.entropy_grad else None,
         torch.cat(behaviours).view(B, T) if truncating else logps.detach(),
     )

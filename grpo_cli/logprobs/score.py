@@ -49,7 +49,13 @@ def score_tokens(
     logits = _forward_logits(*args, options.temperature)  # [B, C, V], tempered
     o = options
     return token_scores(
-        logits, completion_ids, temperature=1.0, with_entropy=o.with_entropy, top_k=o.top_k, top_p=o.top_p
+        logits,
+        completion_ids,
+        temperature=1.0,
+        with_entropy=o.with_entropy,
+        top_k=o.top_k,
+        top_p=o.top_p,
+        entropy_grad=o.entropy_grad,
     )
 
 
@@ -89,6 +95,7 @@ class TokenLogprobs(torch.nn.Module):
         top_k: int = 0,
         top_p: float = 1.0,
         chunk_size: int | None = None,
+        entropy_grad: bool = False,
     ):
         super().__init__()
         self.model = model
@@ -99,6 +106,7 @@ class TokenLogprobs(torch.nn.Module):
             top_p=top_p,
             shared_prompt=shared_prompt,
             chunk_size=chunk_size,
+            entropy_grad=entropy_grad,
         )
 
     def forward(self, prompt_ids, prompt_mask, completion_ids, attention_mask, num_generations: int = 1):

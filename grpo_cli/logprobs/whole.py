@@ -56,11 +56,15 @@ class ScoringOptions:
     top_p: float = 1.0
     shared_prompt: bool = True
     chunk_size: int | None = None
+    # The entropy with its gradient (loss.entropy_coef: the entropy bonus); implies with_entropy.
+    entropy_grad: bool = False
 
 
 class TokenScores(NamedTuple):
     logps: torch.Tensor  # [B, T] log softmax(logits / T) at the targets (the policy's; with gradient)
-    entropy: torch.Tensor | None  # [B, T] entropy of softmax(logits / T), no gradient (monitoring)
+    # [B, T] entropy of softmax(logits / T); with its gradient where ScoringOptions.entropy_grad
+    # (the entropy bonus), else none (monitoring).
+    entropy: torch.Tensor | None
     # [B, T] the targets' log-probs under the sampler's distribution (top-k/top-p replayed on
     # softmax(logits / T): the distribution the samplers' contract records), no gradient; the same
     # values as logps when nothing truncates.
@@ -75,10 +79,13 @@ def token_scores(
     with_entropy: bool = False,
     top_k: int = 0,
     top_p: float = 1.0,
+    entropy_grad: bool = False,
 ) -> TokenScores:
     """Per-token scores of targets [B, T] under softmax(logits / temperature) [B, T, V], row by row
     in fp32: the vocabulary-wide temporaries are one row's [T, V] (logits already tempered, as
-    _forward_logits returns them: temperature=1, no copy at all in fp32)."""
+    _forward_logits returns them: temperature=1, no copy at all in fp32). entropy_grad: the
+    entropy keeps its gradient (implies with_entropy)."""
+    with_entropy = with_entropy or entropy_grad
     logps, entropies, behaviour = [], [], []
     truncating = truncates(top_k, top_p)
     for row_logits, row_targets in zip(logits, targets):  # [T, V], [T]
@@ -87,9 +94,12 @@ def token_scores(
         logps.append(picked - torch.logsumexp(row, dim=-1))
         if not (with_entropy or truncating):
             continue
+        if entropy_grad:
+            logp = F.log_softmax(row, dim=-1)  # [T, V]
+            entropies.append(-(logp.exp() * logp).sum(-1))
         with torch.no_grad():
             row = row.detach()
-            if with_entropy:
+            if with_entropy and not entropy_grad:
                 logp = F.log_softmax(row, dim=-1)  # [T, V]
                 entropies.append(-(logp.exp() * logp).sum(-1))
             if truncating:

@@ -67,11 +67,15 @@ from grpo_cli.loss.terms import (
     cispo_stats,
     clip_range,
     clipped_surrogate,
+    entropy_bonus,
+    high_entropy_mask,
     importance_ratio,
     kl_penalty,
+    off_policy_mask,
     per_token_kl,
     sapo,
     sapo_stats,
+    sequence_mask_weights,
     truncated_importance_weights,
 )
 
@@ -86,6 +90,7 @@ __all__ = [
     "per_token_kl",
     "has_learning_signal",
     "truncated_importance_weights",
+    "sequence_mask_weights",
     "LOG_RATIO_CLAMP",
     "LOSSES",
     "Variant",
@@ -177,11 +182,17 @@ class LossBatch:
     zero_std_flags: Tensor | None = None  # [B] bool from group_advantages; None: no row flagged
     group_std: Tensor | None = None  # [B] per-row group std; zero_std="weight" needs it
     importance_weights: Tensor | None = None  # [B, T] per-token weights of the policy term (TIS)
+    sampler_logps: Tensor | None = None  # [B, T] the sampler's log-probs (off_policy_mask_threshold)
     num_generations: int | None = None  # G, only for the num_zero_std_groups stat
 
 
 def grpo_loss(
-    logps: Tensor, batch: LossBatch, *, cfg: LossConfig, counts: Counts | None = None
+    logps: Tensor,
+    batch: LossBatch,
+    *,
+    cfg: LossConfig,
+    counts: Counts | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The ``loss_type`` row's policy term plus ``beta * KL``, reduced by the row's reduction.
 
@@ -200,6 +211,11 @@ def grpo_loss(
             ``importance_sampling_level`` (``"token"`` or ``"sequence"``, GSPO),
             ``kl_estimator`` (``"k1"``, ``"k2"``, ``"k3"``), ``zero_std`` (``"mask"``,
             ``"weight"``, ``"keep"``, ref 002).
+        entropy: ``[B, T]`` the current policy's per-token entropy, with its gradient where
+            ``cfg.entropy_coef > 0`` (the entropy bonus: ``- entropy_coef * mean H`` over the
+            tokens in the loss, less the rows of zero-std groups: ref 002, no gradient there in
+            any zero_std mode); ``top_entropy_quantile < 1`` keeps only the high-entropy tokens
+            in the policy term and the bonus (:func:`high_entropy_mask`). Needed by either.
         counts: the step's divisors (:class:`Counts`): ``num_sequences`` and ``num_tokens`` from
             :func:`loss_normalizers`, and ``max_new_tokens`` (``L`` for ``"dr_grpo"``: the
             configured completion limit, as micro-batches are padded to different lengths).
@@ -216,8 +232,14 @@ def grpo_loss(
     b = batch
     old_logps, ref_logps, advantages, mask = b.old_logps, b.ref_logps, b.advantages, b.mask
     zero_std_flags, group_std, importance_weights = b.zero_std_flags, b.group_std, b.importance_weights
-    variant = _check_options(cfg, ref_logps, group_std)
-    tokens = dict(old_logps=old_logps, ref_logps=ref_logps, mask=mask, importance_weights=importance_weights)
+    variant = _check_options(cfg, ref_logps, group_std, entropy, b.sampler_logps)
+    tokens = dict(
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        mask=mask,
+        importance_weights=importance_weights,
+        sampler_logps=b.sampler_logps,
+    )
     rows = dict(advantages=advantages, zero_std_flags=zero_std_flags, group_std=group_std)
     _check_shapes(logps, tokens, rows)
     cdtype, device = _compute_dtype(logps.dtype), logps.device
@@ -228,6 +250,16 @@ def grpo_loss(
     adv = advantages.detach().to(device=device, dtype=cdtype).unsqueeze(1)  # [B, 1]
     ratio = importance_ratio(logps, old_logps, valid, level=cfg.importance_sampling_level)  # [B, T]
     per_token_loss = _policy_loss(variant, ratio, adv, cfg, importance_weights)  # [B, T]
+    top = cfg.top_entropy_quantile < 1.0
+    high = high_entropy_mask(entropy, valid, cfg.top_entropy_quantile) if top else valid  # [B, T]
+    if top:  # the 80/20 rule: the policy term on the high-entropy tokens only (TRL: before the KL)
+        per_token_loss = per_token_loss * high
+    kept_rows = None
+    if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: drop far-off-policy bad sequences
+        kept_rows = off_policy_mask(
+            logps, b.sampler_logps, adv, valid, cfg.off_policy_mask_threshold
+        )  # [B, 1]
+        per_token_loss = per_token_loss * kept_rows
     kl = _kl(logps, ref_logps, valid, cfg)  # [B, T]
     if cfg.beta > 0:
         per_token_loss = per_token_loss + kl_penalty(kl, cfg, group_std)  # [B, T]
@@ -235,7 +267,18 @@ def grpo_loss(
     per_token_loss = torch.where(valid, per_token_loss, torch.zeros_like(per_token_loss))  # [B, T]
 
     loss = variant.reduce(per_token_loss, valid, counts)  # []
+    if cfg.entropy_coef:
+        rows = (
+            zero_std_flags if zero_std_flags is not None else torch.zeros(logps.shape[0], dtype=torch.bool)
+        )  # [B]
+        keep = high & ~rows.to(device=device, dtype=torch.bool).unsqueeze(1)  # [B, T]
+        loss = loss + entropy_bonus(entropy, keep, cfg.entropy_coef, counts.num_tokens)  # []
     stats = loss_stats(ratio, adv, kl, valid, zero_std_flags, clip_range(cfg), b.num_generations)
+    if kept_rows is not None:  # the share of the tokens in the loss whose sequence the mask dropped
+        validf = valid.to(ratio.dtype)
+        stats["off_policy_mask/masked"] = ((~kept_rows).to(ratio.dtype) * validf).sum() / validf.sum().clamp(
+            min=1.0
+        )
     if variant.stats is not None:  # the variant's own: means over the tokens in the loss
         validf = valid.to(ratio.dtype)  # [B, T]
         for name, per_token in variant.stats(ratio, adv, cfg).items():
@@ -243,9 +286,21 @@ def grpo_loss(
     return loss, stats
 
 
-def _check_options(cfg: LossConfig, ref_logps: Tensor | None, group_std: Tensor | None) -> Variant:
+def _check_options(
+    cfg: LossConfig,
+    ref_logps: Tensor | None,
+    group_std: Tensor | None,
+    entropy: Tensor | None,
+    b_sampler_logps: Tensor | None,
+) -> Variant:
     """grpo_loss's option checks; the loss table's row of ``cfg.loss_type``."""
     beta, zero_std = cfg.beta, cfg.zero_std
+    if cfg.off_policy_mask_threshold is not None and b_sampler_logps is None:
+        raise ValueError("off_policy_mask_threshold needs the sampler's log-probs (LossBatch.sampler_logps)")
+    if (cfg.entropy_coef or cfg.top_entropy_quantile < 1.0) and entropy is None:
+        raise ValueError(
+            "entropy_coef > 0 or top_entropy_quantile < 1 needs the entropy (grpo_loss(entropy=...))"
+        )
     _check_choice("importance_sampling_level", cfg.importance_sampling_level, IS_LEVELS)
     _check_choice("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
     if not plugins.is_import_path(cfg.loss_type):

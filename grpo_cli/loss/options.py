@@ -22,7 +22,8 @@ ESTIMATORS = ("grpo", "rloo")
 IS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ZERO_STD_MODES = ("mask", "weight", "keep")
-SAMPLER_CORRECTIONS = ("auto", "none", "tis")  # tis: truncated_importance_weights; auto: config.schema
+# tis: truncated_importance_weights; sequence_mask: sequence_mask_weights; auto: config.schema
+SAMPLER_CORRECTIONS = ("auto", "none", "tis", "sequence_mask")
 
 
 def _check_choice(name: str, value: object, valid: tuple[str, ...]) -> None:

@@ -148,6 +148,63 @@ def kl_penalty(kl: Tensor, cfg: LossConfig, group_std: Tensor | None) -> Tensor:
     return cfg.beta * kl_term  # [B, T]
 
 
+def high_entropy_mask(entropy: Tensor, valid: Tensor, quantile: float) -> Tensor:
+    """``[B, T]`` bool: the valid tokens whose entropy is at least the ``1 - quantile`` quantile of
+    the valid tokens' entropies (torch.quantile's linear interpolation), as TRL's
+    ``get_high_entropy_mask`` (trl/trainer/grpo_trainer.py, 1.16: lines 1380-1416) over this
+    call's tokens. No valid token: none kept."""
+    e = entropy.detach()
+    kept = e[valid].to(_compute_dtype(e.dtype))  # [n] (fp64 stays: the threshold is one of them)
+    if kept.numel() == 0:
+        return torch.zeros_like(valid)
+    threshold = torch.quantile(kept, 1.0 - quantile)
+    return (e >= threshold) & valid  # [B, T]
+
+
+def entropy_bonus(entropy: Tensor, keep: Tensor, coef: float, num_tokens: int) -> Tensor:
+    """``-coef * sum(H over keep) / num_tokens``, ``[]``: the entropy bonus of one micro-batch, its
+    share of the step's mean over ``num_tokens`` (the step's tokens in the loss: the micro-batches
+    sum to the step's mean, gradient accumulation invariant). ``keep`` ``[B, T]`` bool."""
+    h = torch.where(
+        keep,
+        entropy.to(_compute_dtype(entropy.dtype)),
+        torch.zeros((), dtype=_compute_dtype(entropy.dtype), device=entropy.device),
+    )
+    return -coef * h.sum() / max(num_tokens, 1)
+
+
+def sequence_mask_weights(
+    trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, *, cap: float | None, floor: float | None
+) -> Tensor:
+    """Sequence-level masked importance sampling, ``[B, T]`` (TRL 1.16's default
+    ``vllm_importance_sampling_mode="sequence_mask"``, trl/trainer/grpo_trainer.py lines 2660-2702):
+    one ratio per row, ``exp(sum over its valid tokens of trainer - sampler log-prob)``, the row's
+    weight where it lies in ``[floor, cap]`` and 0 (the whole sequence masked) where it does not;
+    None: no bound on that side. Detached; constant along a row."""
+    cdtype = _compute_dtype(trainer_logps.dtype)
+    diff = trainer_logps.detach().to(cdtype) - sampler_logps.detach().to(cdtype)  # [B, T]
+    diff = torch.where(mask != 0, diff, torch.zeros_like(diff)).nan_to_num(0.0)  # [B, T]
+    ratio = torch.exp(diff.sum(dim=1, keepdim=True).clamp(max=LOG_RATIO_CLAMP))  # [B, 1]
+    out = (ratio > cap) if cap is not None else torch.zeros_like(ratio, dtype=torch.bool)  # [B, 1]
+    if floor is not None:
+        out = out | (ratio < floor)
+    return torch.where(out, torch.zeros_like(ratio), ratio).expand_as(diff)  # [B, T]
+
+
+def off_policy_mask(
+    logps: Tensor, sampler_logps: Tensor, adv: Tensor, valid: Tensor, threshold: float
+) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, ``[B, 1]`` bool (True: kept), as TRL's
+    ``get_off_policy_mask`` (lines 2945-2969): a row leaves the policy term where its advantage
+    is negative and its mean per-token ``sampler_logp - logp`` (a KL estimate from the sampler's
+    distribution to the current policy, detached) over its valid tokens exceeds ``threshold``."""
+    cdtype = _compute_dtype(logps.dtype)
+    kl = (sampler_logps.detach().to(cdtype) - logps.detach().to(cdtype)).nan_to_num(0.0)  # [B, T]
+    kl = torch.where(valid, kl, torch.zeros_like(kl))
+    mean_kl = kl.sum(dim=1, keepdim=True) / valid.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
+    return (adv >= 0) | (mean_kl <= threshold)  # [B, 1]
+
+
 def truncated_importance_weights(
     trainer_logps: Tensor,
     sampler_logps: Tensor,
