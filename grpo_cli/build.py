@@ -79,6 +79,51 @@ def build_tokenizer(cfg: Config, log) -> tuple[ModelSource, Any]:
     return source, tokenizer
 
 
+def teacher_source(cfg: Config, student_tokenizer, log):
+    """Where teacher.name_or_path's weights come from, once its tokenizer is checked against the
+    student's (UserError in one paragraph where the vocabularies differ: the teacher must score the
+    student's own token ids); None without a teacher."""
+    te = cfg.teacher
+    if not te.name_or_path:
+        return None
+    source = resolve_source(
+        te.name_or_path, te.gguf_file, offline_wheel=te.offline_wheel, offline_gguf=te.offline_gguf, log=log
+    )
+    tokenizer = load_tokenizer(source, revision=te.revision, trust_remote_code=te.trust_remote_code)
+    theirs, ours = tokenizer.get_vocab(), student_tokenizer.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])[:3]
+        raise UserError(
+            f"teacher.name_or_path={te.name_or_path!r}: its tokenizer's vocabulary differs from the student's "
+            f"(model.name_or_path={cfg.model.name_or_path!r}: {len(theirs)} against {len(ours)} tokens; e.g. "
+            f"{differ}). On-policy distillation scores the student's sampled token ids with the teacher, so "
+            "both must share one tokenizer; choose a teacher of the student's family (a larger model of the "
+            "same tokenizer, or a checkpoint of the student's own training)."
+        )
+    return source
+
+
+def load_teacher(cfg: Config, source, device, precision: Precision, fsdp: bool):
+    """The frozen teacher: eval, no grad, in the trainer's precision (the reference's dtype), on the
+    training device; sharded as the policy is under FSDP2. None without a teacher (source None)."""
+    if source is None:
+        return None
+    te = cfg.teacher
+    teacher = load_model(
+        source,
+        device=device,
+        trainable=False,
+        revision=te.revision,
+        trust_remote_code=te.trust_remote_code,
+        key="teacher.name_or_path",
+    )
+    if precision.weights_dtype is not None:
+        to_weights_dtype(teacher, precision.weights_dtype)
+    if fsdp:
+        shard_model(teacher)
+    return teacher
+
+
 def read_wide_eval(cfg: Config) -> list[dict]:
     """The second held-out set's rows (the data source's, e.g. arithmetic's wide operands), or []."""
     return wide_eval_rows(cfg.data, cfg.trainer.seed)
@@ -387,7 +432,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
     resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
     t, s, d = cfg.trainer, cfg.sampler, d or Dist()
-    rewards = build_rewards(cfg.reward)
+    rewards = build_rewards(cfg.reward, none_ok=bool(cfg.loss.teacher_kl))  # (a teacher alone: distillation)
     at = _placement(cfg, d)
     precision, device, fsdp = at.precision, at.device, d.enabled and t.distributed == "fsdp"
     resume = _resume_state(cfg, run_dir, fsdp)
@@ -398,6 +443,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     seed_everything(t.seed)
 
     source, tokenizer = build_tokenizer(cfg, console.print)
+    teacher_at = teacher_source(cfg, tokenizer, console.print)  # (its tokenizer checked before any load)
     console.print(
         f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
     )
@@ -440,6 +486,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             f"{', '.join(cfg.adapter.target_modules)}; {trainable_summary(policy)}"
         )
     ref = _reference(cfg, policy, source, device, precision, fsdp)
+    teacher = load_teacher(cfg, teacher_at, device, precision, fsdp)
 
     opt_step = _optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
     stream = PromptStream(data.train, seed=t.seed)
@@ -460,7 +507,17 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
     scorer = wrap_scorer(scorer, d, device)
     learner = Learner(
-        cfg, policy, ref, scorer, opt_step, precision, fast_paths, d, device, rollouts.sampler.tolerance
+        cfg,
+        policy,
+        ref,
+        scorer,
+        opt_step,
+        precision,
+        fast_paths,
+        d,
+        device,
+        rollouts.sampler.tolerance,
+        teacher,
     )
     return Parts(
         rollouts=rollouts,

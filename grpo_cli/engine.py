@@ -111,6 +111,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             first = t.self_check and not parts.resumed_from and step == start_step + 1
             plan = learner.plan(batch, first)
             ref_logps, reference_seconds = learner.reference(batch, plan)
+            teacher_logps, teacher_seconds = learner.teacher_scores(batch, plan)  # (distillation)
 
             # 4. num_iterations updates on this batch: gradient over the micro-batches, optimizer
             #    step (skipped when the loss or gradient is not finite, or there is no signal).
@@ -119,7 +120,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 if first
                 else None
             )
-            context = phases.UpdateContext(norms, has_signal, ref_logps, self_check=check)
+            context = phases.UpdateContext(norms, has_signal, ref_logps, check, teacher_logps)
             updated = learner.update(batch, plan, context, log)
             said_no_signal = _count_results(updated, step, run, said_no_signal)
             applied = any(result.applied for result in updated.results)
@@ -133,6 +134,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             phase = {  # where the step's time went (seconds)
                 **sampled.seconds,
                 "reference": reference_seconds,
+                **({"teacher": teacher_seconds} if teacher_logps is not None else {}),
                 **updated.seconds,
                 "sync": time.perf_counter() - tick if applied else 0.0,
             }

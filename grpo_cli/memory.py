@@ -119,6 +119,7 @@ class EstimateInputs:
     reward_model: ModelShape | None = None  # reward=model: the scorer's shape (a sequence classifier)
     reward_batch_size: int = 8
     reward_max_length: int = 1024
+    teacher: ModelShape | None = None  # teacher.name_or_path (on-policy distillation): its shape
 
     @property
     def rows(self) -> int:
@@ -157,6 +158,7 @@ class MemoryEstimate:
     runtime: int
     gradient_checkpointing: bool = False
     reward_model: int = 0  # a reward model's weights (reward=model), beside the policy's
+    teacher: int = 0  # the teacher's frozen weights (teacher.name_or_path), in the reference's dtype
 
     @property
     def total(self) -> int:
@@ -168,6 +170,7 @@ class MemoryEstimate:
             + self.activations
             + self.runtime
             + self.reward_model
+            + self.teacher
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -322,7 +325,16 @@ def estimate(inputs: EstimateInputs) -> MemoryEstimate:
         runtime=_runtime_bytes(inputs.device_type),
         gradient_checkpointing=inputs.gradient_checkpointing,
         reward_model=reward_weights,
+        teacher=teacher_bytes(inputs),
     )
+
+
+def teacher_bytes(inputs: EstimateInputs) -> int:
+    """The teacher's frozen weights: bf16 under precision bf16 (as the reference's), else fp32. Its
+    scoring forward runs without a graph, one micro-batch at a time, like the reference's."""
+    if inputs.teacher is None:
+        return 0
+    return (HALF_BYTES if inputs.precision == "bf16" else FP32_BYTES) * inputs.teacher.total_params
 
 
 # --------------------------------------------------------------------------- the recommendation

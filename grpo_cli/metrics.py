@@ -219,6 +219,8 @@ def _step_of(line: str) -> int:
 # ----------------------------------------------------------------------------- a step's row
 
 LOSS_STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean")
+#: grpo_loss's stats that are means over every trained token (the teacher's), not over the loss's.
+TRAINED_TOKEN_STATS = ("teacher/kl", "teacher/logp")
 
 
 class UpdateStats:
@@ -253,11 +255,14 @@ class UpdateStats:
     def add(self, stats: dict, entropy, mask) -> None:
         """One grpo_loss call's stats, and the entropy [b, C] over its valid tokens (mask [b, C])."""
         n_tok = float(stats["num_tokens"])
-        for key in self.keys:
-            self.sums[key] = self.sums.get(key, 0.0) + float(stats[key]) * n_tok
-            self.last[key] = self.last.get(key, 0.0) + float(stats[key]) * n_tok
-        self.sums["num_tokens"] = self.sums.get("num_tokens", 0.0) + n_tok
-        self.last["num_tokens"] = self.last.get("num_tokens", 0.0) + n_tok
+        n_trained = float(mask.bool().sum())
+        for key in self.keys:  # (the teacher's are means over every trained token, zero-std rows too)
+            n = n_trained if key in TRAINED_TOKEN_STATS else n_tok
+            self.sums[key] = self.sums.get(key, 0.0) + float(stats[key]) * n
+            self.last[key] = self.last.get(key, 0.0) + float(stats[key]) * n
+        for name, n in (("num_tokens", n_tok), ("num_trained_tokens", n_trained)):
+            self.sums[name] = self.sums.get(name, 0.0) + n
+            self.last[name] = self.last.get(name, 0.0) + n
         self.ratio_max = max(self.ratio_max, float(stats["ratio_max"]))
         valid = mask.bool()
         self.entropy_sum += float(entropy[valid].sum())
@@ -281,7 +286,11 @@ class UpdateStats:
         as one process would have them (the losses and gradient norms are already the step's)."""
         if not d.enabled:
             return
-        keys = [*self.keys, "num_tokens"]  # the same on every rank (a rank may have trained on none)
+        keys = [
+            *self.keys,
+            "num_tokens",
+            "num_trained_tokens",
+        ]  # the same on every rank (a rank may train on none)
         scalars = ("entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens", "rows", "masked_rows")
         summed = d.sum(
             [self.sums.get(k, 0.0) for k in keys]
@@ -305,7 +314,15 @@ class UpdateStats:
         n_last = max(self.last.get("num_tokens", 0.0), 1.0)
         return (
             {
-                **{key: self.sums.get(key, 0.0) / n_tok for key in self.keys},
+                **{
+                    key: self.sums.get(key, 0.0)
+                    / (
+                        max(self.sums.get("num_trained_tokens", 0.0), 1.0)
+                        if key in TRAINED_TOKEN_STATS
+                        else n_tok
+                    )
+                    for key in self.keys
+                },
                 "ratio_max": self.ratio_max,
                 **(
                     {

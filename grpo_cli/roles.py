@@ -96,6 +96,7 @@ class Learner:
     tolerance: tuple[
         float, float
     ]  # the sampler's declared (mean, max) log-prob gap (update's mismatch floor)
+    teacher: Any = None  # the frozen teacher (loss.teacher_kl > 0), else None
 
     def batch(self, sampled: phases.Sampled):
         """(Batch, loss normalisers, has learning signal): step.advantages."""
@@ -111,7 +112,8 @@ class Learner:
             accumulation_steps=t.gradient_accumulation_steps,
             zero_std_mode=self.cfg.loss.zero_std,
             d=self.dist,
-            skip_zero_std=t.skip_zero_std and not first,
+            # (the teacher term trains every row, zero-std ones included: none is skipped)
+            skip_zero_std=t.skip_zero_std and not first and not self.cfg.loss.teacher_kl,
         )
 
     def reference(self, batch, plan) -> tuple[Any, float]:
@@ -129,6 +131,23 @@ class Learner:
             chunk_size=self.cfg.trainer.logprob_chunk_size,
         )
         return ref_logps, time.perf_counter() - tick
+
+    def teacher_scores(self, batch, plan) -> tuple[Any, float]:
+        """The teacher's log-probs [N, C] of the batch's completions (None without one), scored
+        with the chunked log-probs as the reference's are, and the seconds they took."""
+        tick = time.perf_counter()
+        if self.teacher is None:
+            return None, time.perf_counter() - tick
+        teacher_logps = phases.reference_logprobs(
+            self.teacher,
+            batch,
+            plan,
+            temperature=self.cfg.sampler.temperature,
+            precision=self.precision,
+            shared_prompt=self.fast_paths,
+            chunk_size=self.cfg.trainer.logprob_chunk_size,
+        )
+        return teacher_logps, time.perf_counter() - tick
 
     def update(self, batch, plan, context: phases.UpdateContext, log) -> phases.Updated:
         """num_iterations updates on the batch (step.update)."""

@@ -283,7 +283,7 @@ def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[i
     norms = loss_normalizers(batch.loss_mask, batch.zero_std, zero_std_mode=lo.zero_std)
     signal = has_learning_signal(
         batch.advantages, batch.loss_mask, batch.zero_std, zero_std_mode=lo.zero_std, beta=lo.beta
-    )
+    ) or bool(lo.teacher_kl and (batch.loss_mask != 0).any())  # the teacher speaks on every trained token
     return batch, norms, signal
 
 
@@ -374,6 +374,7 @@ class UpdateContext:
     has_signal: bool
     ref_logps: torch.Tensor | None  # [N, C]
     self_check: selfcheck.FirstStep | None
+    teacher_logps: torch.Tensor | None = None  # [N, C] the teacher's (loss.teacher_kl > 0), else None
 
 
 @dataclass
@@ -413,6 +414,8 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
     scorer, opt, precision, cfg = learner.scorer, learner.opt_step, learner.precision, learner.cfg
     lo, num_iterations, max_new_tokens = cfg.loss, cfg.trainer.num_iterations, cfg.sampler.max_new_tokens
     masks = ("off_policy_mask/masked",) if lo.off_policy_mask_threshold is not None else ()
+    masks += ("teacher/kl", "teacher/logp") if lo.teacher_kl else ()
+    trained_tokens = int((batch.loss_mask != 0).sum())  # the step's, zero-std rows included (teacher)
     updates = UpdateStats(
         grad_scaler=opt.scaler is not None, variant_stats=(*variant(lo.loss_type).stat_names, *masks)
     )
@@ -472,11 +475,11 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
                 group_std=mb.group_std,
                 importance_weights=None if is_weights is None else is_weights[rows, :C],
                 sampler_logps=r.sampler_logps if lo.off_policy_mask_threshold is not None else None,
+                teacher_logps=None if ctx.teacher_logps is None else ctx.teacher_logps[rows, :C],
                 num_generations=r.num_generations,
             )
-            loss, stats = grpo_loss(
-                logps, loss_batch, cfg=lo, counts=Counts(*ctx.norms, max_new_tokens), entropy=scores.entropy
-            )
+            counts = Counts(*ctx.norms, max_new_tokens, all_tokens=trained_tokens)
+            loss, stats = grpo_loss(logps, loss_batch, cfg=lo, counts=counts, entropy=scores.entropy)
             with gradient_sync(scorer, sync):
                 opt.backward(loss)
             loss_total += float(loss.detach())

@@ -296,7 +296,12 @@ def test_each_loss_of_the_menu_trains_the_tiny_model(compose, tmp_path, override
     weights (a gradient), and the entry's metric is in the logged row."""
     cfg = compose(
         TINY
-        + ["reward=[]", "+reward.code.fn=reward_fixtures:char_code", "trainer.max_steps=2", "data.eval_size=0"]
+        + [
+            "reward=[]",
+            "+reward.code.fn=reward_fixtures:char_code",
+            "trainer.max_steps=2",
+            "data.eval_size=0",
+        ]
         + overrides
     )
     if "reward=[format]" in overrides:
@@ -307,3 +312,55 @@ def test_each_loss_of_the_menu_trains_the_tiny_model(compose, tmp_path, override
         )
     row = run(cfg, tmp_path)
     assert row["grad_norm"] > 0 and metric in row, row
+
+
+@pytest.mark.parametrize(
+    "rewards", [["reward=[]"], ["reward=[]", "+reward.code.fn=reward_fixtures:char_code"]]
+)
+def test_on_policy_distillation_trains_with_or_without_rewards(compose, tmp_path, rewards):
+    """A teacher (another tiny model of the same tokenizer) scores every sampled token: with no
+    reward at all (pure distillation: every group zero-std, none skipped, no error) and beside one,
+    each step moves the weights and logs the teacher's KL and log-prob."""
+    cfg = compose(
+        TINY
+        + rewards
+        + [
+            "teacher.name_or_path=builtin:tiny32",
+            "loss.teacher_kl=1.0",
+            "trainer.max_steps=2",
+            "data.eval_size=0",
+        ]
+    )
+    row = run(cfg, tmp_path)
+    assert row["grad_norm"] > 0 and row["teacher/kl"] > 0 and row["teacher/logp"] < 0, row
+    assert row["skipped_updates"] == 0 and "time/teacher" in row
+
+
+def test_a_teacher_of_another_tokenizer_is_refused_before_it_loads(compose, tmp_path):
+    from grpo_cli.errors import UserError
+    from grpo_cli.models import load_model, load_tokenizer, resolve_source
+
+    src = resolve_source("builtin:tiny")
+    tok = load_tokenizer(src)
+    tok.add_tokens(["<extra_token>"])
+    folder = tmp_path / "other"
+    load_model(src, device=torch.device("cpu")).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = compose(TINY + [f"teacher.name_or_path={folder}", "loss.teacher_kl=1.0", "trainer.max_steps=1"])
+    with pytest.raises(UserError, match="its tokenizer's vocabulary differs from the student's"):
+        run(cfg, tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss.teacher_kl=1.0"], "teacher.name_or_path is not set"),
+        (["teacher.name_or_path=builtin:tiny32"], "loss.teacher_kl=0 leaves it out"),
+        (["reward=[]"], "no reward is configured"),
+    ],
+)
+def test_teacher_settings_go_together(compose, overrides, message):
+    from grpo_cli.config import validate
+
+    problems = validate(compose(TINY + overrides))
+    assert any(message in p for p in problems), problems

@@ -42,8 +42,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, **kw):
     other tensors (zero_std_flags=..., num_generations=...) as its LossBatch, and the step's
     num_sequences, num_tokens (and max_new_tokens: T unless given) as its Counts."""
     cfg, rest = _split(kw)
-    n_seq, n_tok, L = (rest.pop(k, None) for k in ("num_sequences", "num_tokens", "max_new_tokens"))
-    counts = None if n_seq is None else Counts(n_seq, n_tok, logps.shape[1] if L is None else L)
+    n_seq, n_tok, L, all_tok = (
+        rest.pop(k, None) for k in ("num_sequences", "num_tokens", "max_new_tokens", "all_tokens")
+    )
+    counts = None if n_seq is None else Counts(n_seq, n_tok, logps.shape[1] if L is None else L, all_tok)
     entropy = rest.pop("entropy", None)
     batch = LossBatch(old_logps, advantages, mask, ref_logps, **rest)
     return loss_module.grpo_loss(logps, batch, cfg=cfg, counts=counts, entropy=entropy)
@@ -1048,3 +1050,51 @@ def test_off_policy_mask_drops_negative_far_off_policy_sequences():
     assert torch.equal(g_masked[~kept], torch.zeros_like(g_masked[~kept]))
     assert torch.allclose(g_masked[kept], g_plain[kept])
     assert math.isclose(stats["off_policy_mask/masked"].item(), 0.25)
+
+
+# --------------------------------------------------------------------------- the teacher
+
+
+@pytest.mark.parametrize("mode", ZERO_STD_MODES)
+def test_teacher_term_is_the_reverse_kl_through_the_policy_gradient(mode):
+    """The term written here: coef * sum(sg(logp - teacher_logp) * r) / all trained tokens; at r = 1
+    its gradient per token is coef * (logp - teacher_logp) / all_tokens, on every trained token,
+    the zero-std group's included (the teacher's signal does not depend on the rewards); the
+    policy term still gives that group nothing."""
+    logps, old, ref, mask, adv, zero, gstd = zero_std_setup()
+    teacher = logps + 0.4 * torch.randn(logps.shape, dtype=F64, generator=torch.Generator().manual_seed(2))
+    n_seq, n_tok = loss_normalizers(mask, zero, zero_std_mode=mode)
+    all_tok = int(mask.sum())
+    kw = dict(zero_std=mode, zero_std_flags=zero, group_std=gstd, num_sequences=n_seq, num_tokens=n_tok)
+    on = logps.detach().clone()
+    base, g_base, _ = grad_of(logps, on, None, adv, mask, **kw)
+    counts_kw = dict(kw)
+    loss, grad, stats = grad_of(
+        logps, on, None, adv, mask, teacher_logps=teacher, teacher_kl=0.5, all_tokens=all_tok, **counts_kw
+    )
+    k1 = (logps - teacher) * mask
+    assert torch.allclose(loss - base, 0.5 * k1.sum() / all_tok, atol=1e-12)
+    assert torch.allclose(grad - g_base, 0.5 * k1 / all_tok, atol=1e-12)
+    assert bool((grad[2:][mask[2:].bool()] != 0).all())  # the zero-std group: the teacher's gradient
+    assert math.isclose(stats["teacher/kl"].item(), (k1.sum() / mask.sum()).item())
+    assert math.isclose(stats["teacher/logp"].item(), ((teacher * mask).sum() / mask.sum()).item())
+
+
+def test_pure_distillation_trains_every_row_with_no_reward_signal():
+    """No reward signal at all (every group zero-std, advantages 0): the policy term is 0 and the
+    teacher alone gives the gradient, on every row; the step still has a signal to step on."""
+    logps, old, _, mask = make_batch([4, 3, 4, 2], 4, seed=3)
+    teacher = logps - 0.3
+    zero = torch.ones(4, dtype=torch.bool)
+    adv = torch.zeros(4, dtype=F64)
+    _, grad, _ = grad_of(
+        logps,
+        logps.detach().clone(),
+        None,
+        adv,
+        mask,
+        zero_std_flags=zero,
+        teacher_logps=teacher,
+        teacher_kl=1.0,
+    )
+    assert torch.allclose(grad, 0.3 * mask / mask.sum())

@@ -337,3 +337,19 @@ def test_check_env_plans_for_a_gpu_from_a_cpu_machine(capsys, monkeypatch):
         assert est["methods"]["lora"]["reference"] == 0 < est["methods"]["full"]["reference"]
     assert check_env.main(["--model", "qwen1.5b", "--json", "trainer.device=cuda"]) == 0
     assert json.loads(capsys.readouterr().out)["memory_estimate"]["recommended"]["method"] == "unknown"
+
+
+def test_the_estimate_counts_the_teacher(capsys):
+    """teacher.name_or_path: the teacher's frozen weights (fp32 here: 4 bytes a parameter of its
+    real count) in the total, and a line in grpo-check-env's table."""
+    from grpo_cli.cli.check_env import format_estimate, memory_estimate
+    from grpo_cli.models import load_model, resolve_source
+
+    info = {"vram_gib": None, "ram_gib": 24.0, "cuda_available": False, "bf16_supported": False}
+    without = memory_estimate("tiny", [], info)["methods"]["full"]
+    est = memory_estimate("tiny", ["teacher.name_or_path=builtin:tiny32", "loss.teacher_kl=1"], info)
+    full = est["methods"]["full"]
+    params = load_model(resolve_source("builtin:tiny32"), device=torch.device("cpu")).num_parameters()
+    assert without["teacher"] == 0 and full["teacher"] == 4 * params
+    assert full["total"] == without["total"] + full["teacher"]
+    assert "teacher" in format_estimate(est)

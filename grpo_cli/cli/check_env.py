@@ -243,6 +243,8 @@ def memory_estimate(
     shape = memory.model_shape(memory.resolve_model_config(model))
     sampling = settings.pop("prompts_per_step")
     scorer = _reward_model(cfg)  # reward=model: its shape and batch, counted beside the policy
+    if cfg.teacher.name_or_path:  # on-policy distillation: the teacher's weights beside the policy
+        scorer["teacher"] = memory.model_shape(memory.resolve_model_config(str(cfg.teacher.name_or_path)))
     estimates = {
         method: memory.estimate(
             memory.EstimateInputs(
@@ -309,6 +311,9 @@ def format_estimate(est: dict[str, Any]) -> str:
     reward_model = next(iter(est["methods"].values()))["reward_model"]
     if reward_model:
         lines.append(f"  reward model     {gib(reward_model)} GiB of weights, counted in weights and total")
+    teacher = next(iter(est["methods"].values()))["teacher"]
+    if teacher:
+        lines.append(f"  teacher          {gib(teacher)} GiB of frozen weights, counted in the total")
     columns = ("weights", "gradients", "optimizer", "reference", "activations", "runtime", "total")
     header = (
         "method",

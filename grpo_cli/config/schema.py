@@ -164,6 +164,12 @@ class LossConfig:
     # the tokens in the loss (those of zero-std groups excluded, ref 002), an exploration push; 0:
     # off. Its gradient comes through the chunked log-probs too (logprobs/chunked.py).
     entropy_coef: float = 0.0
+    # On-policy distillation's weight (teacher.name_or_path): the per-token reverse KL to the
+    # teacher, estimated on the sampled tokens as k1 = log p - log p_teacher and trained through
+    # the policy gradient (sg(k1) * ratio per token; its gradient is that of the reverse KL),
+    # averaged over every trained token, zero-std groups included (their rewards say nothing, the
+    # teacher still does). Alone (reward=[]) it is pure distillation. 0: no teacher term.
+    teacher_kl: float = 0.0
     # Train only the highest-entropy tokens (the "80/20" rule; TRL's name): 0.2 keeps each
     # micro-batch's top 20% of tokens by entropy in the policy term; 1.0: every token.
     top_entropy_quantile: float = 1.0
@@ -323,6 +329,20 @@ class EnvironmentConfig:
 
 
 @dataclass
+class TeacherConfig:
+    # On-policy distillation (docs/recipe.md): a frozen causal LM that scores every sampled token;
+    # loss.teacher_kl weighs the per-token reverse KL to it. None: no teacher. Any model the model
+    # section takes (a hub id, a folder such as a grpo-cli checkpoint, builtin:tiny), with the
+    # student's tokenizer (another vocabulary is refused before it loads).
+    name_or_path: Optional[str] = None
+    gguf_file: Optional[str] = None
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    offline_wheel: Optional[str] = None  # as model.offline_wheel: the default model's offline form
+    offline_gguf: Optional[str] = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -334,3 +354,4 @@ class Config:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)

@@ -131,7 +131,8 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     if not str(cfg.model.name_or_path).strip():
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
     problems += adapters.check_adapter(cfg.adapter, tr)
-    problems += _validate_rewards(cfg.reward)
+    problems += _validate_rewards(cfg.reward) if cfg.reward or not cfg.loss.teacher_kl else []
+    problems += _teacher_problems(cfg)
     problems += samplers.validate(cfg)  # (its name; then each backend validates its own keys)
     if not unused_ok:
         problems += unused_settings(cfg)
@@ -259,6 +260,27 @@ def _micro_batch_problems(tr: Any, G: int, W: int) -> list[str]:
         f"trainer.prompts_per_step={max(A * W, (P // (A * W) + 1) * A * W)} (or another multiple of "
         f"{A * W}), or use fewer processes or accumulation steps."
     ]
+
+
+def _teacher_problems(cfg: Any) -> list[str]:
+    """loss.teacher_kl and teacher.name_or_path go together (on-policy distillation)."""
+    kl, name = cfg.loss.teacher_kl, cfg.teacher.name_or_path
+    if not math.isfinite(kl) or kl < 0:
+        return [
+            f"loss.teacher_kl={kl} must be a number >= 0 (the weight of the reverse KL to the teacher; 0: none)."
+        ]
+    if kl > 0 and not name:
+        return [
+            f"loss.teacher_kl={kl} weighs the reverse KL to a teacher, and teacher.name_or_path is not set: "
+            "name the teacher (a hub id, a folder such as a grpo-cli checkpoint), or set loss.teacher_kl=0."
+        ]
+    if name and not kl > 0:
+        return [
+            f"teacher.name_or_path={name!r} is set, and loss.teacher_kl=0 leaves it out of the loss (it would "
+            "load and score for nothing): set loss.teacher_kl (e.g. 1.0 for distillation alone, 0.1 beside "
+            "the rewards), or drop teacher.name_or_path."
+        ]
+    return []
 
 
 def _validate_rewards(reward: Any) -> list[str]:

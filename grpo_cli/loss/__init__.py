@@ -76,6 +76,7 @@ from grpo_cli.loss.terms import (
     sapo,
     sapo_stats,
     sequence_mask_weights,
+    teacher_term,
     truncated_importance_weights,
 )
 
@@ -183,6 +184,7 @@ class LossBatch:
     group_std: Tensor | None = None  # [B] per-row group std; zero_std="weight" needs it
     importance_weights: Tensor | None = None  # [B, T] per-token weights of the policy term (TIS)
     sampler_logps: Tensor | None = None  # [B, T] the sampler's log-probs (off_policy_mask_threshold)
+    teacher_logps: Tensor | None = None  # [B, T] the teacher's log-probs of the tokens (teacher_kl)
     num_generations: int | None = None  # G, only for the num_zero_std_groups stat
 
 
@@ -232,13 +234,14 @@ def grpo_loss(
     b = batch
     old_logps, ref_logps, advantages, mask = b.old_logps, b.ref_logps, b.advantages, b.mask
     zero_std_flags, group_std, importance_weights = b.zero_std_flags, b.group_std, b.importance_weights
-    variant = _check_options(cfg, ref_logps, group_std, entropy, b.sampler_logps)
+    variant = _check_options(cfg, ref_logps, group_std, entropy, b.sampler_logps, b.teacher_logps)
     tokens = dict(
         old_logps=old_logps,
         ref_logps=ref_logps,
         mask=mask,
         importance_weights=importance_weights,
         sampler_logps=b.sampler_logps,
+        teacher_logps=b.teacher_logps,
     )
     rows = dict(advantages=advantages, zero_std_flags=zero_std_flags, group_std=group_std)
     _check_shapes(logps, tokens, rows)
@@ -273,7 +276,19 @@ def grpo_loss(
         )  # [B]
         keep = high & ~rows.to(device=device, dtype=torch.bool).unsqueeze(1)  # [B, T]
         loss = loss + entropy_bonus(entropy, keep, cfg.entropy_coef, counts.num_tokens)  # []
+    if cfg.teacher_kl:  # on-policy distillation: every trained token, zero-std rows included
+        trained = mask != 0  # [B, T]
+        all_tokens = counts.all_tokens if counts.all_tokens is not None else int(trained.sum())
+        # The token-level ratio, whatever importance_sampling_level the policy term uses.
+        token_ratio = importance_ratio(logps, old_logps, trained)  # [B, T]
+        loss = loss + teacher_term(logps, b.teacher_logps, token_ratio, trained, cfg.teacher_kl, all_tokens)
     stats = loss_stats(ratio, adv, kl, valid, zero_std_flags, clip_range(cfg), b.num_generations)
+    if cfg.teacher_kl:  # (means over the trained tokens: KL(policy || teacher) by k1, the teacher's log-prob)
+        trainedf = (mask != 0).to(ratio.dtype)
+        n = trainedf.sum().clamp(min=1.0)
+        t_logps = b.teacher_logps.detach().to(ratio.dtype)
+        stats["teacher/kl"] = ((logps.detach().to(ratio.dtype) - t_logps) * trainedf).sum() / n
+        stats["teacher/logp"] = (t_logps * trainedf).sum() / n
     if kept_rows is not None:  # the share of the tokens in the loss whose sequence the mask dropped
         validf = valid.to(ratio.dtype)
         stats["off_policy_mask/masked"] = ((~kept_rows).to(ratio.dtype) * validf).sum() / validf.sum().clamp(
@@ -292,9 +307,12 @@ def _check_options(
     group_std: Tensor | None,
     entropy: Tensor | None,
     b_sampler_logps: Tensor | None,
+    teacher_logps: Tensor | None = None,
 ) -> Variant:
     """grpo_loss's option checks; the loss table's row of ``cfg.loss_type``."""
     beta, zero_std = cfg.beta, cfg.zero_std
+    if cfg.teacher_kl and teacher_logps is None:
+        raise ValueError("teacher_kl > 0 needs the teacher's log-probs (LossBatch.teacher_logps)")
     if cfg.off_policy_mask_threshold is not None and b_sampler_logps is None:
         raise ValueError("off_policy_mask_threshold needs the sampler's log-probs (LossBatch.sampler_logps)")
     if (cfg.entropy_coef or cfg.top_entropy_quantile < 1.0) and entropy is None:

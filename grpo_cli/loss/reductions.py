@@ -35,6 +35,9 @@ class Counts:
     num_sequences: int
     num_tokens: int
     max_new_tokens: int
+    # Every trained token of the step, zero-std rows included: the teacher term's divisor (None:
+    # the call's own).
+    all_tokens: int | None = None
 
 
 def _at_least_one(n: int) -> float:

@@ -148,6 +148,22 @@ def kl_penalty(kl: Tensor, cfg: LossConfig, group_std: Tensor | None) -> Tensor:
     return cfg.beta * kl_term  # [B, T]
 
 
+def teacher_term(
+    logps: Tensor, teacher_logps: Tensor, ratio: Tensor, mask: Tensor, coef: float, all_tokens: int
+) -> Tensor:
+    """On-policy distillation's term, ``[]``: ``coef * sum(sg(k1) * r) / all_tokens`` over the
+    trained tokens ``mask`` ``[B, T]`` (zero-std rows included), with ``k1 = logp - teacher_logp``
+    per sampled token (the reverse KL's estimator: its mean under the policy is KL(policy ||
+    teacher)) and ``r`` the importance ratio ``[B, T]`` (1 on policy). Its gradient, ``k1 * d log p``
+    per token, is the score-function gradient of the per-token reverse KL: the teacher's log-prob
+    of each sampled token acts as a per-token reward (the on-policy distillation of Agarwal et al.
+    and Thinking Machines, TRL's DistillationTrainer at beta=1 on the sampled tokens only)."""
+    cdtype = _compute_dtype(logps.dtype)
+    k1 = logps.detach().to(cdtype) - teacher_logps.detach().to(cdtype)  # [B, T]
+    per_token = torch.where(mask, k1 * ratio, torch.zeros_like(k1))  # [B, T]
+    return coef * per_token.sum() / max(all_tokens, 1)
+
+
 def high_entropy_mask(entropy: Tensor, valid: Tensor, quantile: float) -> Tensor:
     """``[B, T]`` bool: the valid tokens whose entropy is at least the ``1 - quantile`` quantile of
     the valid tokens' entropies (torch.quantile's linear interpolation), as TRL's

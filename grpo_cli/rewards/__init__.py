@@ -369,9 +369,12 @@ def check_rewards(reward_cfg: Mapping[str, Mapping]) -> list[str]:
     return _build(reward_cfg)[1]
 
 
-def build_rewards(reward_cfg: Mapping[str, Mapping]) -> Rewards:
+def build_rewards(reward_cfg: Mapping[str, Mapping], *, none_ok: bool = False) -> Rewards:
     """The rewards of a config (not yet opened: Rewards.open builds those with a build); raises
-    one RewardError listing every problem."""
+    one RewardError listing every problem. none_ok: no reward at all is fine (pure on-policy
+    distillation: the teacher alone trains)."""
+    if none_ok and not reward_cfg:
+        return Rewards([])
     specs, problems = _build(reward_cfg)
     if problems:
         raise RewardError(

@@ -457,9 +457,12 @@ def score(rewards, tokenizer, examples: list[Example], rollout, progress: Traine
 
     counters: dict[str, float] = {}
     logs = Logs()
-    _, totals, per_reward = score_examples(
-        rewards, tokenizer, examples, rollout, stats=counters, progress=progress, logs=logs
-    )
+    if len(rewards):
+        _, totals, per_reward = score_examples(
+            rewards, tokenizer, examples, rollout, stats=counters, progress=progress, logs=logs
+        )
+    else:  # no reward at all (on-policy distillation alone: the teacher trains): every total 0
+        totals, per_reward = [0.0] * rollout.completion_ids.shape[0], {}
     judge = next((spec.name for spec in rewards if spec.role == "correctness"), None)
     device, N = rollout.completion_ids.device, len(totals)
     values = [[math.nan if v is None else v for v in column] for column in per_reward.values()]  # [R][N]
