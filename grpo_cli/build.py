@@ -8,6 +8,7 @@ data file fails before any model is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -139,6 +140,8 @@ def build_data(cfg: Config, rows: tuple[list[dict], list[dict]], tokenizer):
     """Tokenised prompts (chat template, long-prompt rule) from the rows of read_data."""
     d = cfg.data
     formatting = Formatting.of(d, cfg.sampler.max_prompt_length)
+    if cfg.environment.style == "trl" and cfg.environment.fn:  # the environment may own the task
+        formatting = dataclasses.replace(formatting, missing_prompt=[{"role": "user", "content": ""}])
     return build_prompts(rows, tokenizer, formatting, f"data ({d.source} {d.path or ''})".strip())
 
 

@@ -65,6 +65,10 @@ class Formatting:
     use_chat_template: bool = True
     max_prompt_length: int = 256
     long_prompts: str = "drop"
+    # The prompt of a row without one (no prompt column, or an empty prompt), where an environment
+    # owns the task (environment.style=trl: TRL's empty user message, which reset's text then
+    # fills); None: such a row is refused.
+    missing_prompt: Any = None
 
     @classmethod
     def of(cls, d, max_prompt_length: int) -> Formatting:
@@ -101,9 +105,12 @@ def wide_eval_rows(d, seed: int) -> list[dict]:
     return wide(d, seed) if wide is not None else []
 
 
-def check_prompt_column(rows: list[dict], prompt_column: str, where: str) -> None:
-    """Every row has a prompt: a non-empty string or a list of {role, content} messages."""
-    if rows and not any(prompt_column in row for row in rows):
+def check_prompt_column(rows: list[dict], prompt_column: str, where: str, missing_ok: bool = False) -> None:
+    """Every row has a prompt: a non-empty string or a list of {role, content} messages (missing_ok:
+    or none at all, where the environment writes the task: Formatting.missing_prompt)."""
+    if missing_ok:
+        rows = [row for row in rows if row.get(prompt_column) not in (None, "", [])]
+    elif rows and not any(prompt_column in row for row in rows):
         raise UserError(
             f"{where} has no column {prompt_column!r} (columns: {', '.join(map(str, rows[0]))}); "
             f"set data.prompt_column to the column that holds the prompts."
@@ -154,11 +161,13 @@ def format_prompt(
 
 
 def _to_examples(rows: list[dict], tokenizer, f: Formatting, where: str) -> tuple[list[Example], int, int]:
-    check_prompt_column(rows, f.prompt_column, where)
+    check_prompt_column(rows, f.prompt_column, where, missing_ok=f.missing_prompt is not None)
     examples, dropped, truncated = [], 0, 0
     templated_text = f.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
     for row in rows:
-        prompt = row[f.prompt_column]
+        prompt = row.get(f.prompt_column)
+        if prompt in (None, "", []):  # (only where missing_prompt is set: check_prompt_column)
+            prompt = f.missing_prompt
         text = format_prompt(
             prompt, tokenizer, system_prompt=f.system_prompt, use_chat_template=f.use_chat_template
         )
