@@ -328,3 +328,58 @@ def test_grpo_train_routes_rows_to_trl_classes_and_hands_rewards_the_environment
 def reached(completions, environments, **kwargs):
     """1 where a Counter reached its target; None (not applicable) for the other classes."""
     return [float(env.count == env.target) if isinstance(env, Counter) else None for env in environments]
+
+
+DOC_RUNS = {
+    # TRL's self-sampling IncrementEnv: the environment owns the task (rows without a prompt).
+    "self-sampling": (
+        [{"n": i} for i in range(12)],
+        ["environment.fn=trl_doc_environments:IncrementEnv", "reward=[environment]"],
+    ),
+    # The same with an external dataset: the row's `target` reaches reset(target=...).
+    "external-dataset": (
+        [
+            {"prompt": [{"role": "user", "content": f"Increment the counter to {i}."}], "target": i}
+            for i in range(1, 13)
+        ],
+        ["environment.fn=trl_doc_environments:IncrementEnvFromData", "reward=[environment]"],
+    ),
+    # Multiple environments, routed by the `environment` column alone (no prompt column).
+    "multiple": (
+        [{"environment": name} for name in ["coding", "game"] * 6],
+        [
+            "environment.fn={coding: 'trl_doc_environments:CodingEnv', game: 'trl_doc_environments:GameEnv'}",
+            "reward=[]",
+            "+reward.env.fn=trl_doc_environments:reward_func",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("example", list(DOC_RUNS))
+def test_trls_documented_environment_examples_run_unchanged(tmp_path, example):
+    """The classes of TRL's GRPO guide (tests/trl_doc_environments.py, cited there), unchanged, in
+    a two-step grpo-train on the tiny model: each run trains and logs the episodes' metrics."""
+    import json
+
+    from conftest import TINY_BASE, grpo
+
+    rows, overrides = DOC_RUNS[example]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        *(a for a in TINY_BASE if not a.startswith("data.")),
+        "data=jsonl",
+        f"data.path={tmp_path / 'rows.jsonl'}",
+        "data.eval_size=2",
+        "environment.style=trl",
+        "environment.max_turns=2",
+        *overrides,
+        "trainer.max_steps=2",
+        "trainer.prompts_per_step=2",
+        "hydra.run.dir=run",
+    ]
+    res = grpo(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert len(steps) == 2 and all("env/turns" in r and "env/tool_call_rate" in r for r in steps)

@@ -14,16 +14,13 @@ FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "p
 def table_rows(d, seed: int, source: str) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows) of the table data.path names: its eval split when
     data.eval_split is set, else data.eval_size shuffled rows held out (at most a fifth)."""
-    from grpo_cli.data import check_prompt_column
-
     rows = load_table(d.path, d.subset, d.split, source)
     if not rows:
         raise UserError(f"data.path={d.path!r} holds no rows; give a dataset with at least one prompt.")
-    where = f"data.path={d.path!r}"
-    check_prompt_column(rows, d.prompt_column, where)
+    # (The prompt column is checked where rows become examples, data.build_prompts: an environment
+    # of TRL's style may own the task, and rows without a prompt are then fine.)
     if d.eval_split:
         eval_rows = load_table(d.path, d.subset, d.eval_split, source)
-        check_prompt_column(eval_rows, d.prompt_column, f"{where} split {d.eval_split!r}")
         return _fill_columns(rows), _fill_columns(eval_rows)
     shuffled = rows[:]
     random.Random(seed).shuffle(shuffled)
