@@ -221,3 +221,39 @@ def test_grpo_train_runs_skyrl_gsm8k_with_its_reward(tmp_path):
     assert len(steps) == 2 and all(
         "rewards/environment/mean" in r and "env/action_not_cut" in r for r in steps
     )
+
+
+class StepRaises(TwoTurns):
+    def step(self, action):
+        raise RuntimeError("the grader is down")
+
+
+class InitHangs(TwoTurns):
+    def init(self, prompt):
+        import time
+
+        time.sleep(5)
+
+
+@pytest.mark.parametrize(
+    "cls, message",
+    [
+        ("StepRaises", r"step\(text\) raised RuntimeError: the grader is down"),
+        ("InitHangs", r"reset\(row\) raised TimeoutError"),
+    ],
+)
+def test_a_failing_text_env_is_one_paragraph_or_masked_episodes(tiny_model, cls, message):
+    """skyrl-gym's step raising, or its init hanging past environment.timeout_s: one paragraph under
+    on_error=raise; under mask the episodes leave the loss (env/errors) and every row stays."""
+    from grpo_cli.errors import UserError
+
+    _, tok = tiny_model
+    cfg = EnvironmentConfig(fn=f"test_text_gym:{cls}", style="text_gym", max_turns=2, timeout_s=0.5)
+    sampler = ScriptedSampler(tok, ["one</s>", "two</s>"], "%%")
+    with pytest.raises(UserError, match=rf"environment test_text_gym:{cls}: {message}.*on_error=mask"):
+        _episodes(sampler, tok, cfg).draw(_examples(tok), seeds=[0, 1], num_generations=2)
+    r = _episodes(sampler, tok, replace(cfg, on_error="mask")).draw(
+        _examples(tok), seeds=[0, 1], num_generations=2
+    )
+    assert r.completion_ids.shape[0] == 4 and int(r.trained_mask.sum()) == 0
+    assert episode_metrics(r)["env/errors"] == 1.0

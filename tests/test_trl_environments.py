@@ -383,3 +383,81 @@ def test_trls_documented_environment_examples_run_unchanged(tmp_path, example):
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]
     assert len(steps) == 2 and all("env/turns" in r and "env/tool_call_rate" in r for r in steps)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+class ResetRaises:
+    def reset(self, **kwargs):
+        raise RuntimeError("no task today")
+
+    def increment(self, step: int) -> str:
+        """Add.
+
+        Args:
+            step: how much
+        """
+        return str(step)
+
+
+class ResetHangs(ResetRaises):
+    def reset(self, **kwargs):
+        import time
+
+        time.sleep(5)
+
+
+class ToolRaises:
+    def reset(self, **kwargs):
+        return None
+
+    def increment(self, step: int) -> str:
+        """Add.
+
+        Args:
+            step: how much
+        """
+        raise ValueError("the counter is stuck")
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("ResetRaises", r"reset\(row\) raised RuntimeError: no task today \(episode 0 of the prompt"),
+        ("ResetHangs", r"reset\(row\) raised TimeoutError"),
+    ],
+)
+def test_a_failing_trl_class_is_one_paragraph_or_masked_episodes(tiny_model, fn, message):
+    """reset raising or hanging (environment.timeout_s): on_error=raise stops with one paragraph
+    naming the class, the call and the episode; on_error=mask leaves those episodes out of the loss
+    (counted, env/errors) and the rollout keeps every row."""
+    from dataclasses import replace
+
+    from grpo_cli.environments.episodes import episode_metrics
+    from grpo_cli.errors import UserError
+
+    _, tok = tiny_model
+    cfg = EnvironmentConfig(fn=f"test_trl_environments:{fn}", style="trl", max_turns=2, timeout_s=0.5)
+    sampler = ScriptedSampler(tok, ["<increment>2</increment>", "done</s>"], "</result>")
+    with pytest.raises(UserError, match=rf"environment test_trl_environments:{fn}: {message}.*on_error=mask"):
+        _episodes(sampler, tok, cfg, 40).draw(_examples(tok), seeds=[0, 1], num_generations=2)
+    r = _episodes(sampler, tok, replace(cfg, on_error="mask"), 40).draw(
+        _examples(tok), seeds=[0, 1], num_generations=2
+    )
+    assert r.completion_ids.shape[0] == 4 and int(r.trained_mask.sum()) == 0
+    assert episode_metrics(r)["env/errors"] == 1.0
+
+
+def test_a_trl_tool_that_raises_is_a_tool_error_the_model_reads(tiny_model):
+    """A tool's exception is the model's to read (a tool error, counted), never the run's."""
+    from grpo_cli.environments.episodes import episode_metrics
+
+    _, tok = tiny_model
+    cfg = EnvironmentConfig(fn="test_trl_environments:ToolRaises", style="trl", max_turns=2)
+    sampler = ScriptedSampler(tok, ["<increment>2</increment>", "done</s>"], "</result>")
+    r = _episodes(sampler, tok, cfg, 40).draw(_examples(tok), seeds=[0, 1], num_generations=2)
+    text = tok.decode(r.completion_ids[0][r.attention_mask[0].bool()])
+    assert "<error>the counter is stuck</error>" in text
+    m = episode_metrics(r)
+    assert m["env/tool_errors"] >= 1.0 and m["env/errors"] == 0.0 and int(r.trained_mask.sum()) > 0
