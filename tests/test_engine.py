@@ -364,3 +364,24 @@ def test_teacher_settings_go_together(compose, overrides, message):
 
     problems = validate(compose(TINY + overrides))
     assert any(message in p for p in problems), problems
+
+
+def test_a_distillation_run_resumes_with_its_teacher(tmp_path):
+    """grpo-train with a teacher, stopped at a checkpoint and resumed: the teacher is loaded again
+    from teacher.name_or_path, and the resumed steps log its KL."""
+    common = [
+        console_script("grpo-train"),
+        *TINY,
+        "teacher.name_or_path=builtin:tiny32",
+        "loss.teacher_kl=1.0",
+        "trainer.save_steps=2",
+        "data.eval_size=0",
+        "hydra.run.dir=run",
+    ]
+    res = run_cli(common + ["trainer.max_steps=2"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_cli(common + ["trainer.max_steps=3", "trainer.resume=auto"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["teacher/kl"] > 0 for r in steps)
