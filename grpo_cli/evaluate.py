@@ -9,7 +9,8 @@ from dataclasses import replace
 import torch
 
 from grpo_cli.data import Example
-from grpo_cli.environments.episodes import RolloutPath, episode_metrics
+from grpo_cli.environments.episodes import episode_metrics
+from grpo_cli.environments.path import RolloutPath
 from grpo_cli.errors import UserError
 from grpo_cli.rewards import correctness, score
 from grpo_cli.rollout import select as select_rollout

@@ -13,7 +13,8 @@ from typing import Any
 from grpo_cli import step as phases
 from grpo_cli.config import Config
 from grpo_cli.distributed import Dist
-from grpo_cli.environments.episodes import Episodes, RolloutPath
+from grpo_cli.environments.episodes import Episodes
+from grpo_cli.environments.path import RolloutPath
 from grpo_cli.evaluate import evaluate, grade
 from grpo_cli.optim import OptimizerStep
 from grpo_cli.precision import Precision
@@ -38,7 +39,7 @@ class Rollouts:
 
     @property
     def path(self) -> RolloutPath:
-        """What draws the rollouts: the one path (environments.episodes.run_episodes)."""
+        """What draws the rollouts: the one path (environments.path.run_episodes)."""
         return RolloutPath(self.sampler, self.episodes)
 
     def draw(self, step: int) -> phases.Sampled:

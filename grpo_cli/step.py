@@ -23,7 +23,7 @@ from grpo_cli import selfcheck
 from grpo_cli.adapters import disabled_adapters
 from grpo_cli.config import Config, LossConfig, SamplerConfig
 from grpo_cli.distributed import Dist, gradient_sync, is_sharded, prompt_seed, shard
-from grpo_cli.environments.episodes import RolloutPath
+from grpo_cli.environments.path import RolloutPath
 from grpo_cli.logprobs import ScoringOptions, score_tokens
 from grpo_cli.loss import (
     Counts,

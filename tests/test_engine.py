@@ -219,7 +219,7 @@ def test_evaluation_reports_accuracy_per_operation_and_on_the_wide_set(compose):
 
     from grpo_cli.build import build_data, build_wide_eval, read_data, read_wide_eval
     from grpo_cli.config import to_typed
-    from grpo_cli.environments.episodes import RolloutPath
+    from grpo_cli.environments.path import RolloutPath
     from grpo_cli.evaluate import evaluate, group_values
     from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
     from grpo_cli.precision import resolve_precision

@@ -19,7 +19,8 @@ from grpo_cli.config.schema import DataConfig, EnvironmentConfig
 from grpo_cli.data import Example
 from grpo_cli.environments import Reply, ToolEnv, environment_factory
 from grpo_cli.environments.calculator import calc, evaluate
-from grpo_cli.environments.episodes import Episodes, RolloutPath, episode_metrics, turn_seed
+from grpo_cli.environments.episodes import Episodes, episode_metrics, turn_seed
+from grpo_cli.environments.path import RolloutPath
 from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
 from grpo_cli.logprobs import token_logprobs
@@ -204,7 +205,7 @@ def _examples(tok, questions=("What is 2 plus 3?", "What is 4 minus 1?"), answer
 
 
 def _episodes(sampler, tok, cfg: EnvironmentConfig, max_new_tokens=24) -> RolloutPath:
-    """The environment's episodes on `sampler` (draw: environments.episodes.run_episodes)."""
+    """The environment's episodes on `sampler` (draw: environments.path.run_episodes)."""
     rendering = Rendering(
         tok, [tok.eos_token_id], data=DataConfig(), describe=cfg.fn or f"tools [{', '.join(cfg.tools)}]"
     )

@@ -1,10 +1,11 @@
-"""Episodes, the one rollout path: run_episodes draws a batch's rollout, a prompt's G episodes
-each, through any samplers.Sampler. Without an environment an episode is one turn, the sampler's
-plain generate call (G completions of each prompt, from the prompt's seed). With one, turn 0 is
-that same draw (the first turn of the sampler's session: samplers.Session), and every later turn
-continues each live episode from its exact token sequence so far (the prompt, the tokens sampled,
-the tokens the environment wrote: nothing is re-rendered), one completion per episode, from a
-seed derived from the prompt's seed, the episode and the turn (turn_seed), so an episode depends
+"""Episodes: an environment's side of the one rollout path (environments.path.run_episodes draws
+through them), a prompt's G episodes each, through any samplers.Sampler. Without an environment
+an episode is one turn, the sampler's plain generate call (G completions of each prompt, from the
+prompt's seed). With one, turn 0 is that same draw (the first turn of the sampler's session:
+samplers.Session), and every later turn continues each live episode from its exact token sequence
+so far (the prompt, the tokens sampled, the tokens the environment wrote: nothing is
+re-rendered), one completion per episode, from a seed derived from the prompt's seed, the
+episode and the turn (turn_seed), so an episode depends
 on its prompt's seed alone, not on the batch, the sampler or the process count.
 
 How episodes end is declared, not inlined: EpisodeRules (environment.max_turns, max_episode_tokens,
@@ -39,58 +40,6 @@ def turn_seed(prompt_seed: int, episode: int, turn: int) -> int:
     """The seed of episode `episode`'s (0..G-1) turn `turn` (>= 1) of a prompt seeded prompt_seed."""
     digest = hashlib.blake2b(f"{prompt_seed}/{episode}/{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2  # < 2**62: a valid seed for torch and vLLM
-
-
-def run_episodes(
-    sampler: Sampler,
-    examples: list,
-    episodes: Episodes | None,
-    *,
-    seeds: list[int] | None = None,
-    num_generations: int,
-    greedy: bool = False,
-    ignore_eos: bool = False,
-) -> Rollout:
-    """The rollout of a batch of data.Example, rows grouped by example: `episodes`' (an
-    environment's) when given, else one turn each, the sampler's plain call (num_generations
-    completions of each prompt). seeds: one per example (Sampler.generate's)."""
-    if episodes is None:
-        return sampler.generate(
-            [ex.prompt_ids for ex in examples],
-            seeds=seeds,
-            num_generations=num_generations,
-            greedy=greedy,
-            ignore_eos=ignore_eos,
-        )
-    return episodes.run(
-        sampler, examples, seeds=seeds, num_generations=num_generations, greedy=greedy, ignore_eos=ignore_eos
-    )
-
-
-@dataclass(frozen=True)
-class RolloutPath:
-    """What draws a batch's rollouts (training's, grpo-train's evaluation's, grpo-eval's): the
-    sampler, and an environment's episodes on it (None: one turn each). draw: run_episodes."""
-
-    sampler: Sampler
-    episodes: Episodes | None = None
-
-    def draw(self, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:
-        return run_episodes(
-            self.sampler,
-            examples,
-            self.episodes,
-            seeds=seeds,
-            num_generations=num_generations,
-            greedy=greedy,
-            ignore_eos=ignore_eos,
-        )
-
-    def close_environments(self) -> None:
-        """Close the environments that the rollouts drawn so far kept open for the rewards
-        (Episodes.keep_open): called once those rollouts are scored."""
-        if self.episodes is not None:
-            self.episodes.close_open()
 
 
 @dataclass(frozen=True)

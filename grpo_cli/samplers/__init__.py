@@ -17,7 +17,7 @@ module of this package is named by its file; a user's is chosen by import path,
                                       flat SamplerConfig keys only it reads (validation rejects
                                       them under the other backends)
 
-Every draw is an episode (environments.episodes.run_episodes): without an environment, one turn,
+Every draw is an episode (environments.path.run_episodes): without an environment, one turn,
 the sampler's plain `generate` call; with one, turn after turn through the sampler's `session`
 (samplers/_session.py: Session, the Turn settings, and the default session, Reprefill).
 """
