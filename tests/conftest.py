@@ -103,6 +103,28 @@ def grpo(
     )
 
 
+#: A chat template whose turns end at EOS (</s>), for the environment tests' tiny model.
+EOS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The built-in tiny model (seeded) and its tokenizer with EOS_TEMPLATE: the environment
+    tests' model."""
+    import torch
+
+    from grpo_cli.models import load_model, load_tokenizer, resolve_source
+
+    src = resolve_source("builtin:tiny")
+    tok = load_tokenizer(src)
+    tok.chat_template = EOS_TEMPLATE
+    torch.manual_seed(0)
+    return load_model(src, device=torch.device("cpu")), tok
+
+
 @pytest.fixture
 def compose():
     """Compose the shipped config with overrides, as grpo-train would."""

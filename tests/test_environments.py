@@ -24,7 +24,6 @@ from grpo_cli.environments.path import RolloutPath
 from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
 from grpo_cli.logprobs import token_logprobs
-from grpo_cli.models import load_model, load_tokenizer, resolve_source
 from grpo_cli.precision import resolve_precision
 from grpo_cli.rewards import conversation
 from grpo_cli.rollout import ROLE_CODES, left_pad, single_turn
@@ -109,10 +108,6 @@ def test_tool_calls_errors_and_timeouts_are_observations():
 # ----------------------------------------------------------------------------- scripted episodes
 
 # A chat template whose assistant turns end with the EOS token (</s>), as real ones do.
-EOS_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 SENTINEL = "ZQZ"
 
 
@@ -184,15 +179,6 @@ class ScriptedSampler:
 
     def close(self):
         pass
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    src = resolve_source("builtin:tiny")
-    tok = load_tokenizer(src)
-    tok.chat_template = EOS_TEMPLATE
-    torch.manual_seed(0)
-    return load_model(src, device=torch.device("cpu")), tok
 
 
 def _examples(tok, questions=("What is 2 plus 3?", "What is 4 minus 1?"), answers=("5", "3")):

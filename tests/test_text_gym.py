@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_environments import EOS_TEMPLATE, ScriptedSampler, _episodes, _examples
+from test_environments import ScriptedSampler, _episodes, _examples
 
 pytest.importorskip("skyrl_gym", reason="environment.style=text_gym needs skyrl-gym (grpo-cli[skyrl-gym])")
 
@@ -26,17 +26,6 @@ from grpo_cli.environments.rendering import Rendering  # noqa: E402
 
 CLOSED: list[int] = []
 SEEN: list[str] = []
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    from grpo_cli.models import load_model, load_tokenizer, resolve_source
-
-    src = resolve_source("builtin:tiny")
-    tok = load_tokenizer(src)
-    tok.chat_template = EOS_TEMPLATE
-    torch.manual_seed(0)
-    return load_model(src, device=torch.device("cpu")), tok
 
 
 class TwoTurns(BaseTextEnv):

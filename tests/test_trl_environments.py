@@ -12,25 +12,13 @@ import itertools
 
 import pytest
 import torch
-from test_environments import EOS_TEMPLATE, ScriptedSampler, _episodes, _examples
+from test_environments import ScriptedSampler, _episodes, _examples
 
 from grpo_cli.config.schema import EnvironmentConfig
 from grpo_cli.logprobs import ScoringOptions, score_tokens
 from grpo_cli.logprobs.score import groups_share_prompts
 
 CLOSED: list[int] = []
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    """The built-in tiny model and its tokenizer with a chat template whose turns end at EOS."""
-    from grpo_cli.models import load_model, load_tokenizer, resolve_source
-
-    src = resolve_source("builtin:tiny")
-    tok = load_tokenizer(src)
-    tok.chat_template = EOS_TEMPLATE
-    torch.manual_seed(0)
-    return load_model(src, device=torch.device("cpu")), tok
 
 
 class Counter:
