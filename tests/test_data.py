@@ -265,3 +265,86 @@ def test_eval_group_by_is_checked_against_the_held_out_rows(column, rows, error)
     else:
         with pytest.raises(UserError, match=re.escape(error)):
             check_group_by(column, examples, default="kind")
+
+
+# ----------------------------------------------------------------------------- several files mixed
+
+
+def _mix_files(tmp_path):
+    import json
+
+    a = tmp_path / "adds.jsonl"
+    b = tmp_path / "subs.jsonl"
+    a.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i} plus 1?", "answer": str(i + 1)}) + "\n" for i in range(100)
+        )
+    )
+    b.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i} minus 1?", "answer": str(i - 1)}) + "\n" for i in range(50)
+        )
+    )
+    return a, b
+
+
+def test_a_mix_draws_sources_by_weight_and_holds_out_each(tmp_path):
+    """Two files at weights 3 and 1: about three training rows in four from the first, every row
+    tagged with its source's name, each source's own held-out rows never trained on, and the
+    same rows for the same seed (the stream's position then resumes exactly)."""
+    from types import SimpleNamespace
+
+    from grpo_cli.data.mix import Options, rows
+
+    a, b = _mix_files(tmp_path)
+    d = SimpleNamespace(eval_size=20, path=None)
+    options = Options(sources=[{"path": str(a), "weight": 3}, {"path": str(b), "name": "minus"}], size=400)
+    train, held = rows(d, 7, options)
+    share = sum(r["source"] == "adds" for r in train) / len(train)
+    assert len(train) == 400 and 0.68 < share < 0.82
+    assert {r["source"] for r in held} == {"adds", "minus"} and len(held) == 20
+    held_prompts = {r["prompt"] for r in held}
+    assert not held_prompts & {r["prompt"] for r in train}
+    again, _ = rows(d, 7, options)
+    other, _ = rows(d, 8, options)
+    assert again == train and other != train
+
+
+@pytest.mark.parametrize(
+    "sources, message",
+    [
+        ([], "must be a non-empty list"),
+        ([{"path": "a.jsonl", "weight": 0}], "weight=0 (a.jsonl) must be a number > 0"),
+        ([{"weight": 2}], "has no path"),
+        (["x/a.jsonl", "y/a.jsonl"], "the name(s) a stand for more than one source"),
+        ([{"path": "a.jsonl", "ratio": 2}], "has ratio; its keys are path, weight and name"),
+    ],
+)
+def test_bad_mix_sources_are_one_paragraph_each(sources, message):
+    from types import SimpleNamespace
+
+    from grpo_cli.data.mix import check
+
+    problems = check(SimpleNamespace(options={"sources": sources}, path=None))
+    assert any(message in p and "\n" not in p for p in problems), problems
+
+
+def test_grpo_train_reports_held_out_accuracy_per_source(tmp_path):
+    import json
+
+    from conftest import TINY_BASE, grpo
+
+    a, b = _mix_files(tmp_path)
+    args = [
+        *(x for x in TINY_BASE if not x.startswith("data.")),
+        "data=mix",
+        f"data.options.sources=[{{path: '{a}', weight: 3}}, {{path: '{b}', name: minus}}]",
+        "data.eval_size=8",
+        "trainer.max_steps=1",
+        "hydra.run.dir=run",
+    ]
+    res = grpo(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in rows if "eval/accuracy" in r][-1]
+    assert "eval/accuracy/adds" in final and "eval/accuracy/minus" in final, sorted(final)
