@@ -9,7 +9,9 @@ GRPO guide's class, unchanged), environment.style=trl, the tag protocol (SmolLM2
 renders no tools), 12 rows "Increment the counter to N." (N 1-6, `target` column), the
 environment's get_reward as the reward (reward=[environment]).
 skyrl_gym: skyrl-gym's own gsm8k environment (environment.style=text_gym environment.fn=gsm8k) on
-the default arithmetic task (the row's answer becomes its reward spec), reward=[environment].
+the default arithmetic task (the row's answer becomes its reward spec), reward=[accuracy,
+environment] (an episode cut by the token budget before the env grades it has no environment
+reward; accuracy grades it), sampler.max_new_tokens=48 (the trl run: 32).
 
 Both: --steps steps of 4 prompts x 8 episodes, max_turns 2. Per run: the first and last steps'
 reward and env/* metrics, and the median step time. Runs go to .bench/env_examples/ (reused when
@@ -49,12 +51,15 @@ def arms(steps: int) -> dict[str, list[str]]:
             "environment.style=trl",
             "environment.fn=trl_doc_environments:IncrementEnvFromData",
             "reward=[environment]",
+            "sampler.max_new_tokens=32",
             *common,
         ],
         "skyrl_gym": [
             "environment.style=text_gym",
             "environment.fn=gsm8k",
-            "reward=[environment]",
+            # (accuracy too: an episode a token budget cuts before the env grades it has no env reward)
+            "reward=[accuracy,environment]",
+            "sampler.max_new_tokens=48",
             "data.eval_size=20",
             *common,
         ],
