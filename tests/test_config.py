@@ -26,6 +26,7 @@ def test_every_shipped_option_composes(compose, group, option, monkeypatch):
     override = f"{group}=[{option}]" if group == "reward" else f"{group}={option}"
     extra = {  # the presets whose one required value has no default
         ("data", "jsonl"): ["data.path=x.jsonl"],
+        ("data", "mix"): ["data.options.sources=[a.jsonl,b.jsonl]"],
         ("reward", "judge"): ["reward.judge.base_url=http://127.0.0.1:8000/v1", "reward.judge.model=judge"],
         ("reward", "model"): ["reward.model.name_or_path=org/reward-model"],
     }.get((group, option), [])

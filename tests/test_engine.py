@@ -332,7 +332,7 @@ def test_on_policy_distillation_trains_with_or_without_rewards(compose, tmp_path
         ]
     )
     row = run(cfg, tmp_path)
-    assert row["grad_norm"] > 0 and row["teacher/kl"] > 0 and row["teacher/logp"] < 0, row
+    assert row["grad_norm"] > 0 and row["teacher/kl"] != 0 and row["teacher/logp"] < 0, row
     assert row["skipped_updates"] == 0 and "time/teacher" in row
 
 
@@ -384,4 +384,7 @@ def test_a_distillation_run_resumes_with_its_teacher(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["teacher/kl"] > 0 for r in steps)
+    # (k1's mean may take either sign on a step: the reverse KL is its expectation)
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(
+        math.isfinite(r["teacher/kl"]) and r["teacher/kl"] != 0 for r in steps
+    )
