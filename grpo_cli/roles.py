@@ -119,28 +119,21 @@ class Learner:
 
     def reference(self, batch, plan) -> tuple[Any, float]:
         """The reference model's log-probs [N, C] (None without one) and the seconds they took."""
-        tick = time.perf_counter()
-        if self.ref is None:
-            return None, time.perf_counter() - tick
-        ref_logps = phases.reference_logprobs(
-            self.ref,
-            batch,
-            plan,
-            temperature=self.cfg.sampler.temperature,
-            precision=self.precision,
-            shared_prompt=self.fast_paths,
-            chunk_size=self.cfg.trainer.logprob_chunk_size,
-        )
-        return ref_logps, time.perf_counter() - tick
+        return self._frozen_logps(self.ref, batch, plan)
 
     def teacher_scores(self, batch, plan) -> tuple[Any, float]:
         """The teacher's log-probs [N, C] of the batch's completions (None without one), scored
         with the chunked log-probs as the reference's are, and the seconds they took."""
+        return self._frozen_logps(self.teacher, batch, plan)
+
+    def _frozen_logps(self, model, batch, plan) -> tuple[Any, float]:
+        """A frozen model's log-probs [N, C] of the batch's completions (step.reference_logprobs;
+        None when `model` is None) and the seconds they took."""
         tick = time.perf_counter()
-        if self.teacher is None:
+        if model is None:
             return None, time.perf_counter() - tick
-        teacher_logps = phases.reference_logprobs(
-            self.teacher,
+        logps = phases.reference_logprobs(
+            model,
             batch,
             plan,
             temperature=self.cfg.sampler.temperature,
@@ -148,7 +141,7 @@ class Learner:
             shared_prompt=self.fast_paths,
             chunk_size=self.cfg.trainer.logprob_chunk_size,
         )
-        return teacher_logps, time.perf_counter() - tick
+        return logps, time.perf_counter() - tick
 
     def update(self, batch, plan, context: phases.UpdateContext, log) -> phases.Updated:
         """num_iterations updates on the batch (step.update)."""

@@ -276,29 +276,38 @@ def grpo_loss(
         )  # [B]
         keep = high & ~rows.to(device=device, dtype=torch.bool).unsqueeze(1)  # [B, T]
         loss = loss + entropy_bonus(entropy, keep, cfg.entropy_coef, counts.num_tokens)  # []
+    teacher_stats: dict[str, Tensor] = {}
     if cfg.teacher_kl:  # on-policy distillation: every trained token, zero-std rows included
-        trained = mask != 0  # [B, T]
-        all_tokens = counts.all_tokens if counts.all_tokens is not None else int(trained.sum())
-        # The token-level ratio, whatever importance_sampling_level the policy term uses.
-        token_ratio = importance_ratio(logps, old_logps, trained)  # [B, T]
-        loss = loss + teacher_term(logps, b.teacher_logps, token_ratio, trained, cfg.teacher_kl, all_tokens)
+        term, teacher_stats = _teacher(logps, old_logps, b, cfg, counts)
+        loss = loss + term
     stats = loss_stats(ratio, adv, kl, valid, zero_std_flags, clip_range(cfg), b.num_generations)
-    if cfg.teacher_kl:  # (means over the trained tokens: KL(policy || teacher) by k1, the teacher's log-prob)
-        trainedf = (mask != 0).to(ratio.dtype)
-        n = trainedf.sum().clamp(min=1.0)
-        t_logps = b.teacher_logps.detach().to(ratio.dtype)
-        stats["teacher/kl"] = ((logps.detach().to(ratio.dtype) - t_logps) * trainedf).sum() / n
-        stats["teacher/logp"] = (t_logps * trainedf).sum() / n
+    stats.update(teacher_stats)
     if kept_rows is not None:  # the share of the tokens in the loss whose sequence the mask dropped
-        validf = valid.to(ratio.dtype)
-        stats["off_policy_mask/masked"] = ((~kept_rows).to(ratio.dtype) * validf).sum() / validf.sum().clamp(
-            min=1.0
-        )
+        stats["off_policy_mask/masked"] = _masked_mean((~kept_rows).to(ratio.dtype).expand_as(ratio), valid)
     if variant.stats is not None:  # the variant's own: means over the tokens in the loss
-        validf = valid.to(ratio.dtype)  # [B, T]
         for name, per_token in variant.stats(ratio, adv, cfg).items():
-            stats[name] = (per_token.to(ratio.dtype) * validf).sum().detach() / validf.sum().clamp(min=1.0)
+            stats[name] = _masked_mean(per_token.to(ratio.dtype), valid)
     return loss, stats
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """The detached mean of x [B, T] over the True positions of mask [B, T] (0 with none)."""
+    m = mask.to(x.dtype)
+    return (x.detach() * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _teacher(logps: Tensor, old_logps: Tensor, b: LossBatch, cfg: LossConfig, counts: Counts):
+    """On-policy distillation's term [] (terms.teacher_term) over every trained token of the batch,
+    and its stats: teacher/kl (the k1 mean, KL(policy || teacher)) and teacher/logp (the teacher's
+    mean log-prob of the sampled tokens), means over the trained tokens."""
+    trained = b.mask != 0  # [B, T]
+    all_tokens = counts.all_tokens if counts.all_tokens is not None else int(trained.sum())
+    # The token-level ratio, whatever importance_sampling_level the policy term uses.
+    token_ratio = importance_ratio(logps, old_logps, trained)  # [B, T]
+    term = teacher_term(logps, b.teacher_logps, token_ratio, trained, cfg.teacher_kl, all_tokens)
+    t_logps = b.teacher_logps.detach().to(token_ratio.dtype)  # [B, T]
+    k1 = logps.detach().to(token_ratio.dtype) - t_logps  # [B, T]
+    return term, {"teacher/kl": _masked_mean(k1, trained), "teacher/logp": _masked_mean(t_logps, trained)}
 
 
 def _check_options(
