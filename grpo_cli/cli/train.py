@@ -351,6 +351,14 @@ def _interrupt(signum, frame) -> None:
     raise Interrupted(signal.Signals(signum).name, 128 + signum)
 
 
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            pass
+
+
 def main() -> None:
     # Until the engine takes over (it finishes the current step and saves), SIGINT/SIGTERM
     # stop at once: nothing has been trained, so nothing is saved.
@@ -389,6 +397,10 @@ def main() -> None:
         sys.exit(exc.exit_code)
     finally:
         sys.stderr.write(_STDERR.release())
+        # From here the process only exits: a SIGTERM now (a launcher stopping the other ranks
+        # after one failed) ends it by the default action, not by an Interrupted raised inside
+        # an atexit callback, which Python would print as a traceback.
+        _default_signals()
     code = _SWEEP.finish()  # a sweep: its summary; non-zero when a job failed
     if code:
         sys.exit(code)
