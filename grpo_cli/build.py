@@ -461,7 +461,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         top_k=s.top_k,
         top_p=s.top_p,
         chunk_size=t.logprob_chunk_size,
-        entropy_grad=cfg.loss.entropy_coef != 0,  # the entropy bonus needs the entropy's gradient
+        entropy_grad=cfg.loss.entropy_coef != 0
+        or cfg.loss.use_adaptive_entropy,  # the entropy bonus needs the entropy's gradient
     )
     rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
     scorer = wrap_scorer(scorer, d, device)

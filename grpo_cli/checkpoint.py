@@ -22,6 +22,7 @@ run are ignored and removed by the next save or resume.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -87,6 +88,10 @@ class TrainerState:
     # Every rank's RNG states (rng is rank 0's), and how many processes wrote the checkpoint.
     rng_ranks: list[dict[str, Any]] | None = None
     world_size: int = 1
+    # TRL's adaptive entropy control (loss.use_adaptive_entropy): the coefficient (None: not yet
+    # adapted, loss.entropy_coef) and the last step's entropy (inf: none measured yet).
+    entropy_coef: float | None = None
+    last_entropy: float = math.inf
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -97,6 +102,8 @@ class TrainerState:
         state.last_good_step = int(data.get("last_good_step", state.step))
         state.rng_ranks = data.get("rng_ranks") or [state.rng]
         state.world_size = int(data.get("world_size", 1))
+        state.entropy_coef = data.get("entropy_coef")
+        state.last_entropy = float(data.get("last_entropy", math.inf))
         return state
 
     def rng_of(self, rank: int) -> dict[str, Any] | None:

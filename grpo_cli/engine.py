@@ -31,6 +31,7 @@ from grpo_cli.distributed import is_sharded, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
 from grpo_cli.evaluate import group_values
 from grpo_cli.health import HealthMonitor
+from grpo_cli.loss import adapt_entropy_coef, applied_entropy_coef
 from grpo_cli.metrics import MetricsLogger, UpdateReport, UpdateStats, step_row
 from grpo_cli.optim import StepResult
 from grpo_cli.rewards import conversation, decode_completions
@@ -120,7 +121,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 if first
                 else None
             )
-            context = phases.UpdateContext(norms, has_signal, ref_logps, check, teacher_logps)
+            coef = applied_entropy_coef(_entropy_coef(state, cfg), state.last_entropy, cfg.loss)
+            context = phases.UpdateContext(norms, has_signal, ref_logps, check, teacher_logps, coef)
             updated = learner.update(batch, plan, context, log)
             said_no_signal = _count_results(updated, step, run, said_no_signal)
             applied = any(result.applied for result in updated.results)
@@ -144,6 +146,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             report = UpdateReport(updated.stats, learner.opt_step.learning_rate, t0, phase)
             row = step_row(step, batch, sampled, report)
             guards.record_step(state, step, updated.stats.faults, t)
+            row.update(_adapt_entropy(state, updated.stats, cfg))  # (use_adaptive_entropy)
             last_row = run.record(step, row, batch, sampled)
             if d.any(stop.requested) and step != parts.total_steps:  # (the last step finishes normally)
                 _stop_requested(stop, step, run)
@@ -157,6 +160,26 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
         _say_before_after(log, before, last_row, parts)
     return last_row
+
+
+def _entropy_coef(state: ckpt.TrainerState, cfg: Config) -> float:
+    """The adaptive entropy controller's coefficient (loss.entropy_coef until it first adapts)."""
+    return cfg.loss.entropy_coef if state.entropy_coef is None else state.entropy_coef
+
+
+def _adapt_entropy(state: ckpt.TrainerState, stats: UpdateStats, cfg: Config) -> dict[str, float]:
+    """TRL's adaptive entropy control after a step: the coefficient moves by this step's entropy
+    (every rank's trained tokens: `stats` is all-reduced, so every rank holds the same state), which
+    the next step's gate reads; the row's `entropy_coef` (TRL's metric: the value after the step).
+    A step that trained no token measured nothing and leaves the state as it was."""
+    lo = cfg.loss
+    if not lo.use_adaptive_entropy:
+        return {"entropy_coef": lo.entropy_coef} if lo.entropy_coef else {}
+    if stats.entropy_tokens:
+        entropy = stats.entropy_sum / stats.entropy_tokens
+        state.entropy_coef = adapt_entropy_coef(_entropy_coef(state, cfg), entropy, lo)
+        state.last_entropy = entropy
+    return {"entropy_coef": _entropy_coef(state, cfg)}
 
 
 def _no_group(step: int, tries: int, health: HealthMonitor, log) -> None:

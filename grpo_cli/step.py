@@ -375,6 +375,7 @@ class UpdateContext:
     ref_logps: torch.Tensor | None  # [N, C]
     self_check: selfcheck.FirstStep | None
     teacher_logps: torch.Tensor | None = None  # [N, C] the teacher's (loss.teacher_kl > 0), else None
+    entropy_coef: float | None = None  # this step's entropy bonus (adaptive control); None: loss.entropy_coef
 
 
 @dataclass
@@ -413,6 +414,8 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
     only (Rollout.trained_mask)."""
     scorer, opt, precision, cfg = learner.scorer, learner.opt_step, learner.precision, learner.cfg
     lo, num_iterations, max_new_tokens = cfg.loss, cfg.trainer.num_iterations, cfg.sampler.max_new_tokens
+    if ctx.entropy_coef is not None and ctx.entropy_coef != lo.entropy_coef:
+        lo = replace(lo, entropy_coef=ctx.entropy_coef)  # adaptive entropy control's coefficient
     masks = ("off_policy_mask/masked",) if lo.off_policy_mask_threshold is not None else ()
     masks += ("teacher/kl", "teacher/logp") if lo.teacher_kl else ()
     trained_tokens = int((batch.loss_mask != 0).sum())  # the step's, zero-std rows included (teacher)

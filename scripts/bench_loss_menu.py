@@ -6,10 +6,11 @@
 
 menu: the default recipe (trainer defaults: 64 steps of 4 prompts x 8 = 2,048 sampled
 completions, the default model and task) once per arm, arms alternating, one seed each (--seed):
-grpo (the default), dapo, cispo, sapo and grpo with the entropy bonus (loss.entropy_coef,
---entropy-coef). Per arm: held-out greedy accuracy before and after (eval/accuracy), and the median
-step time. The grpo arm evaluates every 8 steps (trainer.eval_steps=8): its readings at 256, 512 and
-1,024 completions are plain GRPO's curve for `distill`, and its last checkpoint is the teacher.
+grpo (the default), dapo, cispo, sapo, grpo with the entropy bonus (loss.entropy_coef,
+--entropy-coef) and with TRL's adaptive entropy control at TRL's defaults. Per arm: held-out
+greedy accuracy before and after (eval/accuracy), and the median step time. The grpo arm
+evaluates every 8 steps (trainer.eval_steps=8): its readings at 256, 512 and 1,024 completions
+are plain GRPO's curve for `distill`, and its last checkpoint is the teacher.
 
 distill: the base model as the student, the grpo arm's final checkpoint as the teacher
 (teacher.name_or_path, loss.teacher_kl=--teacher-kl), the rewards kept at weight 0 (pure
@@ -38,6 +39,8 @@ ARMS = {
     "cispo": ["loss=cispo"],
     "sapo": ["loss=sapo"],
     "entropy": [],  # + loss.entropy_coef (main)
+    # TRL's adaptive entropy control at TRL's defaults (target 0.2 nats, delta 0.005, from 0)
+    "adaptive-entropy": ["loss.use_adaptive_entropy=true"],
 }
 READINGS = (8, 16, 32)  # steps: 256, 512 and 1,024 completions at 4 x 8 a step
 
@@ -85,6 +88,7 @@ def menu(a) -> list[dict]:
                 "accuracy_after": evals[-1]["eval/accuracy"],
                 "step_time": harness.median(r["step_time"] for r in steps),
                 "entropy_last8": harness.median(r["entropy"] for r in steps[-8:]),
+                "entropy_coef_last": steps[-1].get("entropy_coef"),
             }
         )
         print(f"{arm}: {rows[-1]['accuracy_before']} -> {rows[-1]['accuracy_after']}", flush=True)

@@ -65,7 +65,15 @@ CASES = {
     # The loss menu (issue #49), paired to keep this test short: CISPO with the entropy bonus
     # (its gradient through the chunked log-probs), SAPO with GDPO; a teacher (on-policy
     # distillation) with LoRA and under FSDP2 (each rank scores its rows with its own teacher).
-    "cispo-entropy": ["loss=cispo", "loss.entropy_coef=0.05", "trainer.gradient_accumulation_steps=2"],
+    # (the adaptive entropy control: no bonus on step 1, 0.055 on step 2 as every rank measured
+    # the same entropy, below the target)
+    "cispo-entropy": [
+        "loss=cispo",
+        "loss.entropy_coef=0.05",
+        "loss.use_adaptive_entropy=true",
+        "loss.entropy_target=100",
+        "trainer.gradient_accumulation_steps=2",
+    ],
     "sapo-gdpo": [
         "loss=sapo",
         "loss.multi_objective_aggregation=normalize_then_sum",

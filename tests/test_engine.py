@@ -314,6 +314,70 @@ def test_each_loss_of_the_menu_trains_the_tiny_model(compose, tmp_path, override
     assert row["grad_norm"] > 0 and metric in row, row
 
 
+ADAPTIVE_ENTROPY = [
+    "reward=[]",
+    "+reward.code.fn=reward_fixtures:char_code",
+    "data.eval_size=0",
+    "trainer.save_steps=2",
+    "loss.use_adaptive_entropy=true",
+    "loss.entropy_coef_delta=0.05",
+]
+
+
+@pytest.mark.parametrize(
+    "target, start, expected",
+    [("100", "0", [0.05, 0.10, 0.15, 0.20]), ("1e-9", "0.12", [0.07, 0.02, 0.0, 0.0])],
+    ids=["below-target", "above-target"],
+)
+def test_adaptive_entropy_control_moves_its_coefficient_and_resumes_bit_exact(
+    compose, tmp_path, target, start, expected
+):
+    """TRL's adaptive entropy control from YAML: the logged entropy_coef moves by entropy_coef_delta
+    each step toward the target (up when the entropy is below it, down to entropy_coef_min when
+    above). The bonus applies from the second step only when the first step's entropy was below
+    the target: step 1's loss equals a run without the controller, step 2's differs exactly when it
+    applies. Stopped after 2 steps and resumed to 4: the same coefficients, losses and weights as 4
+    steps in one go (the controller's state is in the checkpoint)."""
+    from safetensors.torch import load_file
+
+    common = TINY + ADAPTIVE_ENTROPY + [f"loss.entropy_target={target}", f"loss.entropy_coef={start}"]
+    for d in ("whole", "split", "plain"):
+        (tmp_path / d).mkdir()
+    run(compose(common + ["trainer.max_steps=4"]), tmp_path / "whole")
+    run(compose(common + ["trainer.max_steps=2"]), tmp_path / "split")
+    run(compose(common + ["trainer.max_steps=4", "trainer.resume=auto"]), tmp_path / "split")
+    plain = TINY + ADAPTIVE_ENTROPY[:4] + ["trainer.max_steps=2"]
+    run(compose(plain), tmp_path / "plain")
+    whole, split, without = (read_metrics(tmp_path / d) for d in ("whole", "split", "plain"))
+    assert [r["entropy_coef"] for r in whole] == pytest.approx(expected, abs=1e-9)
+    keep = ("step", "entropy_coef", "entropy", "loss", "grad_norm")
+    assert [[r[k] for k in keep] for r in split] == [[r[k] for k in keep] for r in whole]
+    w_whole, w_split = (
+        load_file(max((tmp_path / d / "checkpoints").iterdir()) / "model.safetensors")
+        for d in ("whole", "split")
+    )
+    assert all(torch.equal(w_whole[k], w_split[k]) for k in w_whole)
+    assert whole[0]["loss"] == without[0]["loss"]  # no bonus before a measured entropy
+    applied = target == "100"  # (the second step's bonus: 0.05 x its entropy)
+    assert (whole[1]["loss"] != without[1]["loss"]) == applied
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss.entropy_target=0"], "loss.entropy_target=0"),
+        (["loss.entropy_coef_min=0.5", "loss.entropy_coef_max=0.1"], "loss.entropy_coef_min=0.5"),
+        (["loss.entropy_coef=2"], "loss.entropy_coef=2"),
+        (["loss.entropy_coef_delta=-0.1"], "loss.entropy_coef_delta=-0.1"),
+    ],
+)
+def test_adaptive_entropy_settings_are_checked(compose, overrides, message):
+    from grpo_cli.config import validate
+
+    problems = validate(compose(TINY + ["loss.use_adaptive_entropy=true"] + overrides))
+    assert len(problems) == 1 and message in problems[0], problems
+
+
 @pytest.mark.parametrize(
     "rewards", [["reward=[]"], ["reward=[]", "+reward.code.fn=reward_fixtures:char_code"]]
 )

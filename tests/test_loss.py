@@ -993,6 +993,42 @@ def test_entropy_bonus_accumulates_to_the_steps_mean():
     assert torch.allclose(total, full) and torch.allclose(leaf.grad, full_leaf.grad)
 
 
+@pytest.mark.parametrize(
+    "coef, entropy, expected",
+    [
+        (0.0, 0.1, 0.005),  # at or below the target: up by delta
+        (0.2, 0.2, 0.205),  # (the target itself counts as below, as in TRL)
+        (0.2, 0.3, 0.195),  # above: down by delta
+        (0.001, 5.0, 0.0),  # held at entropy_coef_min
+        (0.498, 0.0, 0.5),  # held at entropy_coef_max
+    ],
+)
+def test_adaptive_entropy_coefficient_moves_by_delta_within_its_bounds(coef, entropy, expected):
+    """TRL's controller (use_adaptive_entropy): coef + delta when the step's entropy is at or below
+    the target, coef - delta above it, clamped to [entropy_coef_min, entropy_coef_max]."""
+    from grpo_cli.config.schema import LossConfig
+    from grpo_cli.loss import adapt_entropy_coef
+
+    cfg = LossConfig(
+        use_adaptive_entropy=True, entropy_target=0.2, entropy_coef_max=0.5, entropy_coef_delta=0.005
+    )
+    assert adapt_entropy_coef(coef, entropy, cfg) == pytest.approx(expected, abs=1e-12)
+
+
+def test_adaptive_entropy_applies_its_coefficient_only_below_the_target():
+    """A step's bonus: the controller's coefficient where the previous step's entropy was at or
+    below the target, 0 above it and before any step (inf); without the controller, entropy_coef."""
+    from grpo_cli.config.schema import LossConfig
+    from grpo_cli.loss import applied_entropy_coef
+
+    adaptive = LossConfig(entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=0.2)
+    assert applied_entropy_coef(0.03, math.inf, adaptive) == 0.0
+    assert applied_entropy_coef(0.03, 0.2, adaptive) == 0.03
+    assert applied_entropy_coef(0.03, 0.21, adaptive) == 0.0
+    static = LossConfig(entropy_coef=0.01)
+    assert applied_entropy_coef(0.03, math.inf, static) == 0.01
+
+
 @pytest.mark.parametrize("quantile", [0.2, 0.5])
 def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(quantile):
     """TRL's rule written here: the threshold is the (1 - q) quantile of the valid tokens'

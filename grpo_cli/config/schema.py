@@ -164,6 +164,17 @@ class LossConfig:
     # the tokens in the loss (those of zero-std groups excluded, ref 002), an exploration push; 0:
     # off. Its gradient comes through the chunked log-probs too (logprobs/chunked.py).
     entropy_coef: float = 0.0
+    # TRL's adaptive entropy control (Skywork-OR1; TRL's names and defaults): entropy_coef is the
+    # starting coefficient, and after every step it moves by entropy_coef_delta, up when the step's
+    # entropy (the `entropy` metric, every rank's tokens) was at or below entropy_target, down
+    # otherwise, within [entropy_coef_min, entropy_coef_max]. A step applies the coefficient only
+    # when the previous step's entropy was at or below the target (none on the first step). Its
+    # state is in the checkpoint (exact resume); the `entropy_coef` metric is its value after the step.
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2  # nats per token
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
     # On-policy distillation's weight (teacher.name_or_path): the per-token reverse KL to the
     # teacher, estimated on the sampled tokens as k1 = log p - log p_teacher and trained through
     # the policy gradient (sg(k1) * ratio per token; its gradient is that of the reverse KL),

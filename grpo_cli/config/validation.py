@@ -157,6 +157,33 @@ def _value_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def _adaptive_entropy_problems(lo: Any) -> list[str]:
+    """TRL's adaptive entropy control's keys (loss.use_adaptive_entropy=true)."""
+    problems = []
+    if not (math.isfinite(lo.entropy_target) and lo.entropy_target > 0):
+        problems.append(
+            f"loss.entropy_target={lo.entropy_target} must be a positive number of nats per token: the "
+            "entropy the controller holds the policy at (TRL's default 0.2)."
+        )
+    if not (0 <= lo.entropy_coef_min <= lo.entropy_coef_max and math.isfinite(lo.entropy_coef_max)):
+        problems.append(
+            f"loss.entropy_coef_min={lo.entropy_coef_min} and loss.entropy_coef_max={lo.entropy_coef_max} "
+            "must satisfy 0 <= min <= max < inf: the bounds of the adaptive coefficient (TRL: 0 and 1)."
+        )
+    elif not lo.entropy_coef_min <= lo.entropy_coef <= lo.entropy_coef_max:
+        problems.append(
+            f"loss.entropy_coef={lo.entropy_coef} is the adaptive controller's starting coefficient and "
+            f"must lie in [loss.entropy_coef_min, loss.entropy_coef_max] = [{lo.entropy_coef_min}, "
+            f"{lo.entropy_coef_max}]; set it inside (0 starts from no bonus)."
+        )
+    if not (math.isfinite(lo.entropy_coef_delta) and lo.entropy_coef_delta > 0):
+        problems.append(
+            f"loss.entropy_coef_delta={lo.entropy_coef_delta} must be a positive number: the step the "
+            "adaptive coefficient moves by after each step (TRL's default 0.005)."
+        )
+    return problems
+
+
 def _loss_problems(lo: Any) -> list[str]:
     """The loss group's bounds (here, not in grpo_cli.loss: that package imports torch)."""
     problems = []
@@ -176,6 +203,8 @@ def _loss_problems(lo: Any) -> list[str]:
         )
     if not math.isfinite(lo.entropy_coef):
         problems.append(f"loss.entropy_coef={lo.entropy_coef} must be a finite number (0: no entropy bonus).")
+    if lo.use_adaptive_entropy:
+        problems += _adaptive_entropy_problems(lo)
     if lo.tis_min is not None and not 0 <= lo.tis_min < lo.tis_cap:
         problems.append(
             f"loss.tis_min={lo.tis_min} must be >= 0 and below loss.tis_cap={lo.tis_cap} (the band a "

@@ -63,6 +63,8 @@ from grpo_cli.loss.stats import loss_stats
 from grpo_cli.loss.terms import (
     CispoOptions,
     SapoOptions,
+    adapt_entropy_coef,
+    applied_entropy_coef,
     cispo,
     cispo_stats,
     clip_range,
@@ -88,6 +90,8 @@ __all__ = [
     "normalize_then_sum",
     "LossBatch",
     "importance_ratio",
+    "adapt_entropy_coef",
+    "applied_entropy_coef",
     "per_token_kl",
     "has_learning_signal",
     "truncated_importance_weights",

@@ -189,6 +189,25 @@ def entropy_bonus(entropy: Tensor, keep: Tensor, coef: float, num_tokens: int) -
     return -coef * h.sum() / max(num_tokens, 1)
 
 
+def adapt_entropy_coef(coef: float, entropy: float, cfg) -> float:
+    """The adaptive entropy controller's next coefficient (TRL 1.16's ``use_adaptive_entropy``,
+    trl/trainer/grpo_trainer.py lines 3216-3240, after Skywork-OR1): ``coef + entropy_coef_delta``
+    when the step's entropy is at or below ``cfg.entropy_target``, ``coef - entropy_coef_delta``
+    otherwise, held within ``[entropy_coef_min, entropy_coef_max]``."""
+    if entropy <= cfg.entropy_target:
+        return min(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+    return max(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, cfg) -> float:
+    """The entropy bonus's coefficient for a step: ``cfg.entropy_coef`` without adaptive control;
+    with it, the controller's ``coef`` where the previous step's entropy was at or below the target
+    and 0 otherwise (TRL line 3207; ``last_entropy`` is inf before the first step: no bonus)."""
+    if not cfg.use_adaptive_entropy:
+        return cfg.entropy_coef
+    return coef if last_entropy <= cfg.entropy_target else 0.0
+
+
 def sequence_mask_weights(
     trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, *, cap: float | None, floor: float | None
 ) -> Tensor:
