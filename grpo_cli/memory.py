@@ -142,6 +142,21 @@ class EstimateInputs:
         return activation_bytes(self.precision)
 
 
+def prompts_per_micro_batch(trainer, sampler) -> int:
+    """The prompts (groups) of a step's largest micro-batch, for the estimate: prompts_per_step /
+    gradient_accumulation_steps; with trainer.micro_batch_tokens (grpo_cli/packing.py), as many
+    groups at their longest (sampler.max_prompt_length once, num_generations x max_new_tokens; G
+    prompts under gradient checkpointing) as the budget holds, at least one (a longer group runs
+    alone). Shorter groups pack more rows into the same tokens: the tokens, the logits and the
+    attention masks (rows x completion x length) stay within this bound."""
+    P = max(1, int(trainer.prompts_per_step))
+    if trainer.micro_batch_tokens is None:
+        return max(1, P // max(1, trainer.gradient_accumulation_steps))
+    G, prompt, completion = sampler.num_generations, sampler.max_prompt_length, sampler.max_new_tokens
+    group = G * (prompt + completion) if trainer.gradient_checkpointing else prompt + G * completion
+    return max(1, min(P, int(trainer.micro_batch_tokens) // group))
+
+
 # --------------------------------------------------------------------------- the estimate
 
 
@@ -412,10 +427,16 @@ def out_of_memory_advice(exc: BaseException, trainer, sampler, device: str) -> s
     where = "the GPU" if "CUDA" in str(exc) or device.startswith("cuda") else "the machine"
     bf16 = "" if "bf16" in str(trainer.precision) else "; trainer.precision=bf16 halves the activations"
     first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    lever = (
+        f"raise trainer.gradient_accumulation_steps (now {trainer.gradient_accumulation_steps}) so each "
+        "micro-batch holds fewer prompts"
+        if trainer.micro_batch_tokens is None
+        else f"lower trainer.micro_batch_tokens (now {trainer.micro_batch_tokens}) so each micro-batch runs "
+        "fewer tokens"
+    )
     return (
-        f"{where} ran out of memory ({first}). Make a step fit: raise "
-        f"trainer.gradient_accumulation_steps (now {trainer.gradient_accumulation_steps}) so each "
-        f"micro-batch holds fewer prompts, or lower trainer.prompts_per_step (now {trainer.prompts_per_step}) "
+        f"{where} ran out of memory ({first}). Make a step fit: {lever}, or lower "
+        f"trainer.prompts_per_step (now {trainer.prompts_per_step}) "
         f"or sampler.max_new_tokens (now {sampler.max_new_tokens}); trainer.gradient_checkpointing=true "
         "trades compute for activation memory; adapter=lora (or qlora on a GPU) trains adapters instead of "
         f"every weight{bf16}. `grpo-check-env --model <model> "

@@ -17,6 +17,7 @@ from grpo_cli.environments.episodes import Episodes
 from grpo_cli.environments.path import RolloutPath
 from grpo_cli.evaluate import evaluate, grade
 from grpo_cli.optim import OptimizerStep
+from grpo_cli.packing import token_micro_batches
 from grpo_cli.precision import Precision
 from grpo_cli.rewards import Rewards
 from grpo_cli.samplers import Sampler
@@ -107,6 +108,16 @@ class Learner:
         """This rank's micro-batches (zero-std groups skipped, but on the first step: its self-check
         compares every row)."""
         t = self.cfg.trainer
+        skip = t.skip_zero_std and not first and not self.cfg.loss.teacher_kl
+        if t.micro_batch_tokens is not None:  # by a token budget (grpo_cli/packing.py)
+            rows, real = token_micro_batches(
+                batch,
+                budget=t.micro_batch_tokens,
+                skip=batch.zero_std.cpu() if skip and self.cfg.loss.zero_std == "mask" else None,
+                d=self.dist,
+                prompt_once=self.fast_paths and not t.gradient_checkpointing,
+            )
+            return phases.MicroBatches(rows, real)
         return phases.micro_batches(
             batch,
             prompts_per_step=t.prompts_per_step,
@@ -114,7 +125,7 @@ class Learner:
             zero_std_mode=self.cfg.loss.zero_std,
             d=self.dist,
             # (the teacher term trains every row, zero-std ones included: none is skipped)
-            skip_zero_std=t.skip_zero_std and not first and not self.cfg.loss.teacher_kl,
+            skip_zero_std=skip,
         )
 
     def reference(self, batch, plan) -> tuple[Any, float]:

@@ -355,12 +355,12 @@ def reference_logprobs(
         torch.no_grad() if is_sharded(ref) else torch.inference_mode(),
         autocast(ref_logps.device, precision),
     ):
-        for rows in plan.rows:
-            if not len(rows):
-                continue
-            mb = batch.rows(rows).rollout
-            scores = score_tokens(ref, *mb.inputs(), options, mb.num_generations)
-            ref_logps[rows, : mb.completion_ids.shape[1]] = scores.logps.float()
+        for k, rows in enumerate(plan.rows):
+            if len(rows) and (k < plan.real or is_sharded(ref)):  # (stand-ins: for FSDP2's collectives)
+                mb = batch.rows(rows).rollout
+                scores = score_tokens(ref, *mb.inputs(), options, mb.num_generations)
+                if k < plan.real:  # (a stand-in's are not written back)
+                    ref_logps[rows, : mb.completion_ids.shape[1]] = scores.logps.float()
     return ref_logps.clone()  # leave inference mode: usable in autograd
 
 

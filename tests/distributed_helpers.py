@@ -92,6 +92,15 @@ CASES = {
         "teacher.name_or_path=builtin:tiny32",
         "loss.teacher_kl=0.5",
     ],
+    # Micro-batches by a token budget (issue #50): one plan for the step, dealt to the ranks in
+    # turn (a rank short of one runs a stand-in); zero-std groups skipped; two iterations.
+    "token-budget": [
+        "trainer.micro_batch_tokens=64",
+        "reward.code.fn=reward_fixtures:no_signal_on_minus",
+        "loss.beta=0.04",
+        "trainer.num_iterations=2",
+    ],
+    "fsdp-token-budget": ["trainer.distributed=fsdp", "trainer.micro_batch_tokens=64", "loss.beta=0.04"],
     # FSDP2 (one process: the same run unsharded)
     "fsdp": ["trainer.distributed=fsdp", "loss.beta=0.04", "trainer.gradient_accumulation_steps=2"],
     "fsdp-dynamic-sampling": [

@@ -315,6 +315,33 @@ def test_check_env_json_holds_the_estimate_and_applies_overrides(capsys):
     assert est["available_bytes"] == 64 * GIB
 
 
+@pytest.mark.parametrize(
+    "budget, checkpointing, expected",
+    [(None, False, 4), (10_000, False, 8), (1_000, False, 5), (10, False, 1), (1_000, True, 2)],
+)
+def test_check_env_plans_for_the_largest_micro_batch_a_token_budget_allows(
+    capsys, budget, checkpointing, expected
+):
+    """trainer.micro_batch_tokens: the estimate's micro-batch is as many groups at their longest
+    (a prompt of 64 once, 4 x 32 completion tokens: 192; 4 x 96 = 384 under gradient checkpointing)
+    as the budget holds, at least one, at most the step's 8."""
+    overrides = [
+        "trainer.prompts_per_step=8",
+        "sampler.num_generations=4",
+        "sampler.max_prompt_length=64",
+        "sampler.max_new_tokens=32",
+        f"trainer.gradient_checkpointing={str(checkpointing).lower()}",
+    ]
+    overrides += (
+        ["trainer.gradient_accumulation_steps=2"]
+        if budget is None
+        else [f"trainer.micro_batch_tokens={budget}"]
+    )
+    assert check_env.main(["--model", "tiny", "--memory-gib", "64", "--json"] + overrides) == 0
+    est = json.loads(capsys.readouterr().out)["memory_estimate"]
+    assert est["settings"]["prompts_per_micro_batch"] == expected
+
+
 def test_check_env_unknown_model_exits_2(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as exit_info:

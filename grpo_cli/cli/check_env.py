@@ -183,7 +183,7 @@ def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
         precision=precision,
         beta=float(cfg.loss.beta),
         prompts_per_step=int(t.prompts_per_step),
-        prompts_per_micro_batch=max(1, t.prompts_per_step // max(1, t.gradient_accumulation_steps)),
+        prompts_per_micro_batch=memory.prompts_per_micro_batch(t, s),
         num_generations=int(s.num_generations),
         prompt_length=int(s.max_prompt_length),
         completion_length=int(s.max_new_tokens),

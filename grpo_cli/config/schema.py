@@ -235,6 +235,11 @@ class AdapterConfig:
 class TrainerConfig:
     prompts_per_step: int = 4  # 4 prompts x 8 completions = 32 rows per update
     gradient_accumulation_steps: int = 1
+    # Micro-batches by a token budget (grpo_cli/packing.py): the step's groups, sorted by length,
+    # packed into micro-batches that each run at most this many tokens (a group's prompt once plus
+    # its G completions at the micro-batch's width, padding included; a group over it runs alone).
+    # Replaces gradient_accumulation_steps's equal split; the gradient is the same. null: off.
+    micro_batch_tokens: Optional[int] = None
     num_iterations: int = 1  # updates per rollout; 1 is on-policy
     # 64 steps x 4 prompts x 8 = 2048 sampled completions (issue #20's budget).
     max_steps: int = 64

@@ -270,6 +270,8 @@ def _micro_batch_problems(tr: Any, G: int, W: int) -> list[str]:
     """Micro-batches hold whole groups: the rows of one prompt's G completions stay together
     (ref 004: "batch size must be a multiple of num_generations"). With W processes each rank
     trains on prompts_per_step / W prompts in gradient_accumulation_steps micro-batches."""
+    if tr.micro_batch_tokens is not None:
+        return _token_budget_problems(tr, W)
     P, A = tr.prompts_per_step, tr.gradient_accumulation_steps
     if not (P >= 1 and A >= 1 and W >= 1 and P % (A * W) != 0):
         return []
@@ -289,6 +291,29 @@ def _micro_batch_problems(tr: Any, G: int, W: int) -> list[str]:
         f"trainer.prompts_per_step={max(A * W, (P // (A * W) + 1) * A * W)} (or another multiple of "
         f"{A * W}), or use fewer processes or accumulation steps."
     ]
+
+
+def _token_budget_problems(tr: Any, W: int) -> list[str]:
+    """trainer.micro_batch_tokens: a positive count that replaces gradient_accumulation_steps."""
+    problems = []
+    if not (isinstance(tr.micro_batch_tokens, int) and tr.micro_batch_tokens >= 1):
+        problems.append(
+            f"trainer.micro_batch_tokens={tr.micro_batch_tokens} must be a positive number of tokens: the "
+            "most one micro-batch's forward runs (each group's prompt once plus its completions, padding "
+            "included), e.g. 4096; or null to split the step by trainer.gradient_accumulation_steps."
+        )
+    if tr.gradient_accumulation_steps != 1:
+        problems.append(
+            f"trainer.gradient_accumulation_steps={tr.gradient_accumulation_steps} is ignored with "
+            f"trainer.micro_batch_tokens={tr.micro_batch_tokens}: the budget decides how many micro-batches "
+            "a step runs. Drop one of them."
+        )
+    if W > 1 and tr.prompts_per_step % W:
+        problems.append(
+            f"trainer.prompts_per_step={tr.prompts_per_step} cannot be shared by {W} processes: each samples "
+            f"prompts_per_step / processes prompts. Set it to a multiple of {W}."
+        )
+    return problems
 
 
 def _teacher_problems(cfg: Any) -> list[str]:

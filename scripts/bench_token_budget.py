@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Micro-batches by a token budget against today's equal split (issue #50): the policy (and
+reference) phase's time and peak memory per step.
+
+    bash scripts/run.sh python scripts/bench_token_budget.py                 # every case
+    bash scripts/run.sh python scripts/bench_token_budget.py long --pairs 2  # one case
+
+Cases (the default model, SmolLM2-135M-Instruct, and task; fp32, 2 cores):
+- default: the default recipe (4 prompts x 8, 16 new tokens).
+- calculator: environment=calculator (multi-turn episodes with tool replies).
+- long: sampler.max_new_tokens=256 (EOS honoured: lengths vary).
+Each arm is a fresh `grpo-train` process of --steps steps (no held-out evaluation), the arms
+alternating (harness.interleave), --pairs times: "today" (trainer.micro_batch_tokens=null, one
+micro-batch of the step's 32 rows) and "budget" (trainer.micro_batch_tokens=--budget). Both start
+from the same weights and seed: they sample the same prompts, and the same completions until their
+weights part in the last bits (another split rounds differently).
+
+Per step it reads time/policy and time/reference from metrics.jsonl; the child process also
+records each phase's peak memory: /proc/self/clear_refs resets the resident-set high-water mark
+(VmHWM) before the phase, and the peak above the RSS at its start is read after it. Per arm: the
+medians over the steps after the first (its self-check scores every row); per case: budget/today
+ratios per pair and their median. Prints a table and writes scripts/results/token_budget.json.
+A benchmark: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import harness
+
+OUT = harness.ROOT / ".bench" / "token_budget"
+CASES = {
+    "default": [],
+    "calculator": ["environment=calculator"],
+    "long": ["sampler.max_new_tokens=256"],
+}
+COMMON = ["data.eval_size=0", "trainer.eval_before=false", "trainer.save_steps=1000", "trainer.quiet=true"]
+
+
+def _kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def child(run_dir: Path, overrides: list[str]) -> None:
+    """grpo-train in this process, with the learner's reference and update phases wrapped to
+    record their peak memory above the RSS at their start (KiB), one JSON line per phase."""
+    from grpo_cli import roles
+    from grpo_cli.cli import train
+
+    log = open(run_dir / "phase_memory.jsonl", "a")
+
+    def measured(name, fn):
+        def wrapper(self, *args, **kwargs):
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            start = _kib("VmRSS")
+            out = fn(self, *args, **kwargs)
+            log.write(json.dumps({"phase": name, "peak_kib": _kib("VmHWM") - start}) + "\n")
+            log.flush()
+            return out
+
+        return wrapper
+
+    roles.Learner.update = measured("policy", roles.Learner.update)
+    roles.Learner.reference = measured("reference", roles.Learner.reference)
+    sys.argv = ["grpo-train", *overrides, f"hydra.run.dir={run_dir}"]
+    train.main()
+
+
+def run_arm(case: str, arm: str, pair: int, a) -> dict:
+    run_dir = OUT / f"{case}-{arm}-{pair}"
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run_dir.mkdir(parents=True)
+    budget = "null" if arm == "today" else str(a.budget)
+    overrides = [
+        *CASES[case],
+        *COMMON,
+        f"trainer.max_steps={a.steps}",
+        f"trainer.micro_batch_tokens={budget}",
+    ]
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", str(run_dir), *overrides],
+        cwd=harness.ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+    )
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{case}/{arm} failed:\n" + "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+        )
+    steps = harness.step_rows(run_dir)[1:]  # (step 1: the self-check scores every row)
+    phases = [json.loads(line) for line in (run_dir / "phase_memory.jsonl").read_text().splitlines()]
+    policy_mem = [p["peak_kib"] for p in phases if p["phase"] == "policy"][1:]
+    return {
+        "case": case,
+        "arm": arm,
+        "pair": pair,
+        "steps": len(steps),
+        "policy_s": harness.median(r["time/policy"] for r in steps),
+        "reference_s": harness.median(r.get("time/reference", 0.0) for r in steps),
+        "phase_s": harness.median(r["time/policy"] + r.get("time/reference", 0.0) for r in steps),
+        "policy_peak_mib": harness.median(policy_mem) / 1024,
+        "policy_peak_max_mib": max(policy_mem) / 1024,
+        "step_s": harness.median(r["step_time"] for r in steps),
+        "completion_mean": harness.median(r["completions/mean_length"] for r in steps),
+        "completion_max": harness.median(r["completions/max_length"] for r in steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        child(Path(argv[1]), argv[2:])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--budget", type=int, default=1024)
+    a = parser.parse_args(argv)
+    rows, ratios = [], []
+    for case in a.cases:
+        for pair, arm in harness.interleave(["today", "budget"], a.pairs):
+            rows.append(run_arm(case, arm, pair, a))
+            print(json.dumps(rows[-1]), flush=True)
+        for pair in range(a.pairs):
+            today, budget = (
+                next(r for r in rows if (r["case"], r["arm"], r["pair"]) == (case, arm, pair))
+                for arm in ("today", "budget")
+            )
+            ratios.append(
+                {
+                    "case": case,
+                    "pair": pair,
+                    "phase_ratio": budget["phase_s"] / today["phase_s"],
+                    "peak_ratio": budget["policy_peak_mib"] / max(today["policy_peak_mib"], 1e-9),
+                }
+            )
+        mine = [r for r in ratios if r["case"] == case]
+        ratios.append(
+            {
+                "case": case,
+                "pair": "median",
+                "phase_ratio": harness.median(r["phase_ratio"] for r in mine),
+                "peak_ratio": harness.median(r["peak_ratio"] for r in mine),
+            }
+        )
+    cols = [
+        "case",
+        "arm",
+        "pair",
+        "phase_s",
+        "policy_peak_mib",
+        "policy_peak_max_mib",
+        "step_s",
+        "completion_mean",
+        "completion_max",
+    ]
+    harness.print_table(rows, cols)
+    harness.print_table(ratios, ["case", "pair", "phase_ratio", "peak_ratio"])
+    path = harness.write_result(
+        "token_budget",
+        rows + ratios,
+        notes=f"{a.steps} steps per run (medians over steps 2-{a.steps}), budget {a.budget} tokens, {a.pairs} pairs",
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
