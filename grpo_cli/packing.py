@@ -16,7 +16,9 @@ packed by what their forward costs:
   close to its real ones.
 - Micro-batches keep whole groups (ref 004). A group over the budget runs alone.
 - The plan is one list for the whole step, the same on every rank (each holds the gathered step),
-  dealt to the ranks in turn: every rank runs ceil(micro-batches / processes) of them, a short one
+  with at least as many micro-batches as ranks where there are as many groups (the costliest
+  halved until then: a budget that holds the whole step would leave the other ranks idle), dealt
+  to the ranks in turn: every rank runs ceil(micro-batches / processes) of them, a short one
   making up the count with a stand-in (the step's cheapest group at weight 0). No collective.
 
 The loss normalisers are the step's (step.advantages), so the gradient does not depend on how the
@@ -94,7 +96,15 @@ def token_micro_batches(
     if not kept:  # every group skipped: nothing to run on any rank
         return [], 0
     shapes = group_shapes(batch, kept)
-    bins = [[kept[i] for i in b] for b in pack_groups(shapes, G, budget, prompt_once=prompt_once)]
+    packed = pack_groups(shapes, G, budget, prompt_once=prompt_once)
+    while len(packed) < min(d.world_size, len(kept)):  # every rank gets work: halve the costliest
+        k = max(
+            range(len(packed)),
+            key=lambda j: (micro_batch_cost([shapes[i] for i in packed[j]], G, prompt_once), -j),
+        )
+        b = sorted(packed.pop(k), key=lambda i: -shapes[i].width)
+        packed[k:k] = [sorted(b[: len(b) // 2]), sorted(b[len(b) // 2 :])]
+    bins = [[kept[i] for i in b] for b in packed]
     mine = bins[d.rank :: d.world_size]
     rows = [torch.cat([torch.arange(g * G, (g + 1) * G) for g in b]) for b in mine]
     count = -(-len(bins) // d.world_size)  # ceil: every rank runs as many

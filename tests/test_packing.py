@@ -212,6 +212,13 @@ def test_every_rank_runs_as_many_micro_batches_and_each_group_trains_once(tiny, 
         for k in range(world)
     ]
     assert len({len(rows) for rows, _ in plans}) == 1  # the same count: DDP's last backward, FSDP2
+    wide = [
+        token_micro_batches(
+            batch, budget=10**6, skip=None, d=Dist(rank=k, world_size=world), prompt_once=True
+        )
+        for k in range(world)
+    ]
+    assert all(real >= 1 for _, real in wide)  # a budget that holds the whole step: every rank still works
     trained = sorted(torch.cat([torch.cat(rows[:real]) for rows, real in plans if real]).tolist())
     assert trained == [i for i in range(24) if not skip[i]]  # zero-std groups skipped, the rest once
     for rows, real in plans:  # stand-ins: whole groups, at weight 0 in update()
