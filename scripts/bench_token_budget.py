@@ -12,15 +12,24 @@ Cases (the default model, SmolLM2-135M-Instruct, and task; fp32, 2 cores):
 Each arm is a fresh `grpo-train` process of --steps steps (no held-out evaluation), the arms
 alternating (harness.interleave), --pairs times: "today" (trainer.micro_batch_tokens=null, one
 micro-batch of the step's 32 rows) and "budget" (trainer.micro_batch_tokens=--budget). Both start
-from the same weights and seed: they sample the same prompts, and the same completions until their
-weights part in the last bits (another split rounds differently).
+from the same weights and seed, at a learning rate of 1e-30 (COMMON: the weights stay as they
+are), so both sample the same completions every step and time the same batches.
 
 Per step it reads time/policy and time/reference from metrics.jsonl; the child process also
 records each phase's peak memory: /proc/self/clear_refs resets the resident-set high-water mark
-(VmHWM) before the phase, and the peak above the RSS at its start is read after it. Per arm: the
+(VmHWM) to the current RSS before the phase, and the mark is read after it: the process's peak
+during the phase (the weights, Adam's state and what the allocator kept are in both arms alike). Per arm: the
 medians over the steps after the first (its self-check scores every row); per case: budget/today
 ratios per pair and their median. Prints a table and writes scripts/results/token_budget.json.
 A benchmark: nothing is asserted.
+
+    ... bench_token_budget.py --fits 16       # runs nothing
+
+--fits GIB: the longest completion (4 prompts x 8 a step, the Qwen2.5-0.5B shape, fp32, full
+fine-tuning, beta 0.04) whose memory estimate (grpo-check-env's) is within GIB GiB, today (the
+step's 4 groups in one micro-batch) and with trainer.micro_batch_tokens=--budget (the largest
+micro-batch the budget allows: one group when a group alone is over it). Bisected on the
+estimate; writes scripts/results/token_budget_fits.json.
 """
 
 from __future__ import annotations
@@ -40,7 +49,17 @@ CASES = {
     "calculator": ["environment=calculator"],
     "long": ["sampler.max_new_tokens=256"],
 }
-COMMON = ["data.eval_size=0", "trainer.eval_before=false", "trainer.save_steps=1000", "trainer.quiet=true"]
+# optimizer.learning_rate=1e-30 (0 is refused): a step of ~1e-30 is below a weight's last bit, so
+# the weights never move and both arms sample the same completions every step (with learning,
+# another split's last-bit rounding soon draws other episodes, and the phases would time other
+# batches); the forward, backward and optimizer step all still run.
+COMMON = [
+    "data.eval_size=0",
+    "trainer.eval_before=false",
+    "trainer.save_steps=1000",
+    "trainer.quiet=true",
+    "optimizer.learning_rate=1e-30",
+]
 
 
 def _kib(field: str) -> int:
@@ -52,7 +71,7 @@ def _kib(field: str) -> int:
 
 def child(run_dir: Path, overrides: list[str]) -> None:
     """grpo-train in this process, with the learner's reference and update phases wrapped to
-    record their peak memory above the RSS at their start (KiB), one JSON line per phase."""
+    record the process's peak resident set during each (KiB), one JSON line per phase."""
     from grpo_cli import roles
     from grpo_cli.cli import train
 
@@ -61,9 +80,8 @@ def child(run_dir: Path, overrides: list[str]) -> None:
     def measured(name, fn):
         def wrapper(self, *args, **kwargs):
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            start = _kib("VmRSS")
             out = fn(self, *args, **kwargs)
-            log.write(json.dumps({"phase": name, "peak_kib": _kib("VmHWM") - start}) + "\n")
+            log.write(json.dumps({"phase": name, "peak_kib": _kib("VmHWM")}) + "\n")
             log.flush()
             return out
 
@@ -117,10 +135,55 @@ def run_arm(case: str, arm: str, pair: int, a) -> dict:
     }
 
 
+def fits(gib: float, budget: int) -> list[dict]:
+    """The longest completion within `gib` GiB by the estimate, without and with the budget."""
+    from bench_memory_estimate import _shape_folder, estimate
+
+    folder = _shape_folder(harness.ROOT / ".bench", "qwen0.5b", weights=False)
+    rows = []
+    for arm, split in (
+        ("today", "trainer.gradient_accumulation_steps=1"),
+        ("budget", f"trainer.micro_batch_tokens={budget}"),
+    ):
+
+        def total(length: int, split: str = split) -> dict:
+            extra = [
+                "trainer.prompts_per_step=4",
+                "sampler.num_generations=8",
+                f"sampler.max_new_tokens={length}",
+                "trainer.precision=fp32",
+                split,
+            ]
+            return estimate(folder, extra, "full")
+
+        lo, hi = 0, 1 << 16  # lo fits (or is 0), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if total(mid)["total"] <= gib * 2**30 else (lo, mid)
+        est = total(lo)
+        rows.append(
+            {
+                "arm": arm,
+                "budget_gib": gib,
+                "largest_completion_tokens": lo,
+                "estimate_gib": est["total"] / 2**30,
+                "activations_gib": est["activations"] / 2**30,
+            }
+        )
+    harness.print_table(rows, list(rows[0]))
+    notes = f"--fits {gib:g} --budget {budget}: estimates only, nothing run"
+    print(f"wrote {harness.write_result('token_budget_fits', rows, notes=notes)}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
         child(Path(argv[1]), argv[2:])
+        return 0
+    if argv and argv[0] == "--fits":
+        budget = int(argv[argv.index("--budget") + 1]) if "--budget" in argv else 1024
+        fits(float(argv[1]), budget)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", default=list(CASES), choices=list(CASES))

@@ -268,12 +268,52 @@ def test_token_budget_settings_are_checked(compose, overrides, message):
     assert len(problems) == 1 and message in problems[0], problems
 
 
-def test_a_token_budget_composes_and_trains_the_tiny_model(compose, tmp_path):
-    """From YAML: a budget that splits the step, two steps, the weights move."""
+def test_a_token_budget_trains_the_tiny_model_and_resumes_bit_exact(compose, tmp_path):
+    """From YAML, a budget that splits the step (gradient checkpointing on: every row's prompt
+    counted), two iterations per step: the weights move, and a run stopped after 2 steps and
+    resumed to 3 ends with the weights of 3 steps in one go (the plan is a function of the step's
+    rollouts; the shuffle's RNG is in the checkpoint)."""
+    from conftest import tiny as tiny_overrides
+    from safetensors.torch import load_file
+
+    from grpo_cli.cli.train import train_config
+
+    common = tiny_overrides(
+        "data.eval_size=0",
+        "trainer.save_steps=2",
+        "trainer.micro_batch_tokens=48",
+        "trainer.num_iterations=2",
+        "trainer.gradient_checkpointing=true",
+    )
+    for d in ("whole", "split"):
+        (tmp_path / d).mkdir()
+    row = train_config(compose(common + ["trainer.max_steps=3"]), tmp_path / "whole")
+    assert row["grad_norm"] > 0
+    train_config(compose(common + ["trainer.max_steps=2"]), tmp_path / "split")
+    train_config(compose(common + ["trainer.max_steps=3", "trainer.resume=auto"]), tmp_path / "split")
+    whole, split = (
+        load_file(max((tmp_path / d / "checkpoints").iterdir()) / "model.safetensors")
+        for d in ("whole", "split")
+    )
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+def test_a_token_budget_trains_multi_turn_episodes_with_lora(compose, tmp_path):
+    """environment=calculator (episodes with tool replies: completions with holes, measured by their
+    last attended column) under LoRA adapters, with a budget that splits the step: it trains."""
     from conftest import tiny as tiny_overrides
 
     from grpo_cli.cli.train import train_config
 
-    cfg = compose(tiny_overrides("data.eval_size=0", "trainer.max_steps=2", "trainer.micro_batch_tokens=48"))
+    cfg = compose(
+        tiny_overrides(
+            "environment=calculator",
+            "adapter=lora",
+            "adapter.r=4",
+            "data.eval_size=0",
+            "trainer.max_steps=2",
+            "trainer.micro_batch_tokens=64",
+        )
+    )
     row = train_config(cfg, tmp_path)
-    assert row["grad_norm"] > 0
+    assert row["grad_norm"] > 0 and row["env/turns"] >= 1
