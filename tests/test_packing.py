@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_rollout import _GradientsKept  # keeps the accumulated gradients, does not step
 
 from grpo_cli import step
 from grpo_cli.config import Config, LossConfig, SamplerConfig, TrainerConfig
 from grpo_cli.distributed import Dist
 from grpo_cli.logprobs import TokenLogprobs, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.optim import StepResult
 from grpo_cli.packing import GroupShape, micro_batch_cost, pack_groups, token_micro_batches
 from grpo_cli.precision import resolve_precision
 from grpo_cli.rollout import Batch, Rollout
@@ -114,23 +114,6 @@ def _batch(r: Rollout) -> Batch:
         group_std=rewards.view(-1, G).std(-1).repeat_interleave(G),
         loss_mask=r.trained_mask.clone(),
     )
-
-
-class _GradientsKept:
-    """The optimizer step's interface that keeps the accumulated gradients and does not step."""
-
-    scaler, reduces_grads = None, False
-
-    def __init__(self, model):
-        self.model, self.grads = model, []
-
-    def backward(self, loss) -> None:
-        loss.backward()
-
-    def step(self, loss: float, has_signal: bool) -> StepResult:
-        self.grads = [p.grad.clone() for p in self.model.parameters() if p.grad is not None]
-        self.model.zero_grad(set_to_none=True)
-        return StepResult(True, loss, 0.0, True, "", None)
 
 
 def _gradients(model, batch: Batch, plan: step.MicroBatches, lo: LossConfig):
