@@ -14,6 +14,10 @@ packed by what their forward costs:
   seven of 10 tokens runs [8, 256] tensors, and the budget is what bounds a micro-batch's memory.
   Groups are sorted by length first, so a micro-batch's padding is small and its padded tokens are
   close to its real ones.
+- Where the scorer runs a micro-batch's rows in length buckets (logprobs.forward.length_buckets:
+  whenever the budget is set, but under FSDP2), a micro-batch's completions cost their buckets'
+  padded tokens instead: close to the real ones, so one long episode no longer charges its group
+  G times its length.
 - Micro-batches keep whole groups (ref 004). A group over the budget runs alone.
 - The plan is one list for the whole step, the same on every rank (each holds the gathered step),
   with at least as many micro-batches as ranks where there are as many groups (the costliest
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.distributed import Dist
+from grpo_cli.logprobs import length_buckets
 from grpo_cli.rollout import Batch
 
 
@@ -45,6 +50,7 @@ class GroupShape:
     prompt: int
     width: int
     shared: bool
+    lengths: tuple[int, ...] = ()  # each row's completion length (for length buckets)
 
 
 def group_shapes(batch: Batch, groups: list[int]) -> list[GroupShape]:
@@ -55,18 +61,27 @@ def group_shapes(batch: Batch, groups: list[int]) -> list[GroupShape]:
     last = (r.attention_mask.bool() * cols).amax(-1).view(-1, G).amax(-1).tolist()  # [n_groups]
     P = r.prompt_ids.shape[1]
     same = (r.prompt_ids.view(-1, G, P) == r.prompt_ids[::G].unsqueeze(1)).all(-1).all(-1).tolist()
-    return [GroupShape(int(prompt[g]), max(int(last[g]), 1), bool(same[g])) for g in groups]
+    rows = (r.attention_mask.bool() * cols).amax(-1).view(-1, G).tolist()  # [n_groups, G]
+    return [GroupShape(int(prompt[g]), max(int(last[g]), 1), bool(same[g]), tuple(rows[g])) for g in groups]
 
 
-def micro_batch_cost(shapes: list[GroupShape], G: int, prompt_once: bool) -> int:
+def micro_batch_cost(shapes: list[GroupShape], G: int, prompt_once: bool, bucketed: bool = False) -> int:
     """Tokens one micro-batch of these groups runs: prompts at the widest prompt (once per group
-    where forwarded once), G completions per group at the widest completion."""
+    where forwarded once), G completions per group at the widest completion; bucketed (the scorer
+    runs rows in length buckets, ScoringOptions.length_buckets): the completions at their buckets'
+    widths instead, the padded tokens those passes run."""
     P, C = max(s.prompt for s in shapes), max(s.width for s in shapes)
     once = prompt_once and all(s.shared for s in shapes)
-    return len(shapes) * (P * (1 if once else G) + G * C)
+    if not bucketed:
+        return len(shapes) * (P * (1 if once else G) + G * C)
+    lengths = [max(1, n) for s in shapes for n in s.lengths]
+    runs = length_buckets(lengths)
+    return len(shapes) * P * (1 if once else G) + sum(len(b) * max(lengths[i] for i in b) for b in runs)
 
 
-def pack_groups(shapes: list[GroupShape], G: int, budget: int, *, prompt_once: bool) -> list[list[int]]:
+def pack_groups(
+    shapes: list[GroupShape], G: int, budget: int, *, prompt_once: bool, bucketed: bool = False
+) -> list[list[int]]:
     """Indices into `shapes`, in micro-batches of at most `budget` tokens (micro_batch_cost; a group
     over it alone). Groups sorted by (prompt not shared, width, prompt), longest first, then filled
     in that order (next fit): neighbours have similar lengths, so little padding; groups that do not
@@ -77,7 +92,7 @@ def pack_groups(shapes: list[GroupShape], G: int, budget: int, *, prompt_once: b
     )
     bins: list[list[int]] = []
     for i in order:
-        if bins and micro_batch_cost([shapes[j] for j in bins[-1] + [i]], G, prompt_once) <= budget:
+        if bins and micro_batch_cost([shapes[j] for j in bins[-1] + [i]], G, prompt_once, bucketed) <= budget:
             bins[-1].append(i)
         else:
             bins.append([i])
@@ -85,7 +100,13 @@ def pack_groups(shapes: list[GroupShape], G: int, budget: int, *, prompt_once: b
 
 
 def token_micro_batches(
-    batch: Batch, *, budget: int, skip: torch.Tensor | None, d: Dist, prompt_once: bool
+    batch: Batch,
+    *,
+    budget: int,
+    skip: torch.Tensor | None,
+    d: Dist,
+    prompt_once: bool,
+    bucketed: bool = False,
 ) -> tuple[list[torch.Tensor], int]:
     """This rank's micro-batches (row indices, whole groups) and how many are real (the rest are
     stand-ins): the step's groups, less those `skip` flags ([N] bool, zero-std groups skipped; None:
@@ -96,11 +117,11 @@ def token_micro_batches(
     if not kept:  # every group skipped: nothing to run on any rank
         return [], 0
     shapes = group_shapes(batch, kept)
-    packed = pack_groups(shapes, G, budget, prompt_once=prompt_once)
+    packed = pack_groups(shapes, G, budget, prompt_once=prompt_once, bucketed=bucketed)
     while len(packed) < min(d.world_size, len(kept)):  # every rank gets work: halve the costliest
         k = max(
             range(len(packed)),
-            key=lambda j: (micro_batch_cost([shapes[i] for i in packed[j]], G, prompt_once), -j),
+            key=lambda j: (micro_batch_cost([shapes[i] for i in packed[j]], G, prompt_once, bucketed), -j),
         )
         b = sorted(packed.pop(k), key=lambda i: -shapes[i].width)
         packed[k:k] = [sorted(b[: len(b) // 2]), sorted(b[len(b) // 2 :])]

@@ -16,6 +16,7 @@ from grpo_cli.distributed import Dist
 from grpo_cli.environments.episodes import Episodes
 from grpo_cli.environments.path import RolloutPath
 from grpo_cli.evaluate import evaluate, grade
+from grpo_cli.logprobs import ScoringOptions
 from grpo_cli.optim import OptimizerStep
 from grpo_cli.packing import token_micro_batches
 from grpo_cli.precision import Precision
@@ -116,6 +117,7 @@ class Learner:
                 skip=batch.zero_std.cpu() if skip and self.cfg.loss.zero_std == "mask" else None,
                 d=self.dist,
                 prompt_once=self.fast_paths and not t.gradient_checkpointing,
+                bucketed=not (self.dist.enabled and t.distributed == "fsdp"),  # (as build.py's scorer)
             )
             return phases.MicroBatches(rows, real)
         return phases.micro_batches(
@@ -143,15 +145,14 @@ class Learner:
         tick = time.perf_counter()
         if model is None:
             return None, time.perf_counter() - tick
-        logps = phases.reference_logprobs(
-            model,
-            batch,
-            plan,
-            temperature=self.cfg.sampler.temperature,
-            precision=self.precision,
+        t = self.cfg.trainer
+        options = ScoringOptions(
+            self.cfg.sampler.temperature,
             shared_prompt=self.fast_paths,
-            chunk_size=self.cfg.trainer.logprob_chunk_size,
+            chunk_size=t.logprob_chunk_size,
+            length_buckets=t.micro_batch_tokens is not None,
         )
+        logps = phases.reference_logprobs(model, batch, plan, options, self.precision)
         return logps, time.perf_counter() - tick
 
     def update(self, batch, plan, context: phases.UpdateContext, log) -> phases.Updated:

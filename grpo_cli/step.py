@@ -335,19 +335,13 @@ def micro_batches(
 
 
 def reference_logprobs(
-    ref,
-    batch: Batch,
-    plan: MicroBatches,
-    *,
-    temperature: float,
-    precision: Precision,
-    shared_prompt: bool,
-    chunk_size: int | None = None,
+    ref, batch: Batch, plan: MicroBatches, options: ScoringOptions, precision: Precision
 ) -> torch.Tensor:
     """The reference model's log-probs [N, C] of the batch's completions, micro-batch by
-    micro-batch (with LoRA the reference is the policy with its adapters disabled)."""
+    micro-batch (with LoRA the reference is the policy with its adapters disabled). Length buckets
+    only where ranks need not run alike (a sharded model's forwards are collectives)."""
     r = batch.rollout
-    options = ScoringOptions(temperature, shared_prompt=shared_prompt, chunk_size=chunk_size)
+    options = replace(options, length_buckets=options.length_buckets and not is_sharded(ref))
     ref_logps = torch.zeros_like(r.sampler_logps)  # [N, C]
     # (FSDP2's all-gathers run under no_grad, not inference mode.)
     with (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_architectures import ARCHS, G, batch, build
+from test_architectures import ARCHS, COMPLETION_LENGTHS, G, batch, build
 
 from grpo_cli.logprobs import ScoringOptions, chunkable, score_tokens
 
@@ -56,6 +56,37 @@ def test_chunked_logprobs_and_gradients_equal_the_whole_logits(name, shared):
     torch.testing.assert_close(chunked.logps[mask], whole.logps[mask], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(chunked.entropy[mask], whole.entropy[mask], rtol=1e-6, atol=1e-6)
     _assert_same_grads([n for n, _ in model.named_parameters()], ours, theirs)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 0], ids=["chunked", "whole"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "plain"])
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_length_buckets_give_the_same_scores_and_gradients(name, shared, chunk_size, monkeypatch):
+    """Rows run in length buckets (trainer.micro_batch_tokens: ScoringOptions.length_buckets), here a
+    bucket per length (4 passes over 6 rows, under the shared prompts' KV cache or as full rows),
+    and the chunked output layer scoring only the columns within each row's length: the same
+    log-probs, entropies and gradients as one pass over the padded rows (fp32, 1e-6)."""
+    from dataclasses import replace
+
+    from grpo_cli.logprobs import forward, length_buckets, row_lengths
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 0)
+    model = build(name).train()
+    _, _, tensors = batch(shared)
+    assert len(length_buckets(row_lengths(tensors[3]))) == len(set(COMPLETION_LENGTHS))
+    weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])
+    options = ScoringOptions(0.7, with_entropy=True, chunk_size=chunk_size)
+    params = list(model.parameters())
+    results = []
+    for opts in (options, replace(options, length_buckets=True)):
+        scores = score_tokens(model, *tensors, opts, G if shared else 1)
+        loss = (scores.logps * tensors[3].float() * weights[:, None]).sum()
+        results.append((scores, torch.autograd.grad(loss, params, allow_unused=True)))
+    (one, ours), (bucketed, theirs) = results
+    mask = tensors[3].bool()
+    torch.testing.assert_close(bucketed.logps[mask], one.logps[mask], rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(bucketed.entropy[mask], one.entropy[mask], rtol=1e-6, atol=2e-6)
+    _assert_same_grads([n for n, _ in model.named_parameters()], theirs, ours)
 
 
 def test_truncated_sampling_scores_equal_the_whole_logits():
@@ -339,3 +370,26 @@ def test_lora_on_the_output_layer_gets_the_entropys_gradient_chunked():
     _, ours = _entropy_grads(model, tensors, 3, weights)
     _, theirs = _entropy_grads(model, tensors, 0, weights)
     _assert_same_grads([n for n, p in model.named_parameters() if p.requires_grad], ours, theirs)
+
+
+def test_length_buckets_replay_truncation_and_keep_the_entropys_gradient(monkeypatch):
+    """Under length buckets, the sampler's truncated distribution (top_p) is replayed for the
+    behaviour log-probs, and the entropy bonus's gradient flows, as in one pass."""
+    from dataclasses import replace
+
+    from grpo_cli.logprobs import forward
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 0)
+    model = build("llama").train()
+    _, _, tensors = batch(True)
+    options = ScoringOptions(0.7, top_p=0.8, entropy_grad=True)
+    params = list(model.parameters())
+    results = []
+    for opts in (options, replace(options, length_buckets=True)):
+        scores = score_tokens(model, *tensors, opts, G)
+        results.append((scores, torch.autograd.grad((scores.entropy * tensors[3]).sum(), params)))
+    (one, ours), (bucketed, theirs) = results
+    mask = tensors[3].bool()
+    assert not torch.equal(one.behaviour[mask], one.logps[mask].detach())  # (top_p truncates here)
+    torch.testing.assert_close(bucketed.behaviour[mask], one.behaviour[mask], rtol=1e-6, atol=2e-6)
+    _assert_same_grads([n for n, _ in model.named_parameters()], theirs, ours)

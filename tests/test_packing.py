@@ -16,7 +16,7 @@ from test_rollout import _GradientsKept  # keeps the accumulated gradients, does
 from grpo_cli import step
 from grpo_cli.config import Config, LossConfig, SamplerConfig, TrainerConfig
 from grpo_cli.distributed import Dist
-from grpo_cli.logprobs import TokenLogprobs, token_logprobs
+from grpo_cli.logprobs import ScoringOptions, TokenLogprobs, length_buckets, score_tokens, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
 from grpo_cli.packing import GroupShape, micro_batch_cost, pack_groups, token_micro_batches
 from grpo_cli.precision import resolve_precision
@@ -116,7 +116,7 @@ def _batch(r: Rollout) -> Batch:
     )
 
 
-def _gradients(model, batch: Batch, plan: step.MicroBatches, lo: LossConfig):
+def _gradients(model, batch: Batch, plan: step.MicroBatches, lo: LossConfig, buckets: bool = False):
     r = batch.rollout
     ref_logps = torch.where(r.trained_mask.bool(), r.sampler_logps - 0.01, torch.zeros_like(r.sampler_logps))
     opt = _GradientsKept(model)
@@ -130,7 +130,7 @@ def _gradients(model, batch: Batch, plan: step.MicroBatches, lo: LossConfig):
             cfg=Config(
                 loss=lo, sampler=SamplerConfig(max_new_tokens=12), trainer=TrainerConfig(num_iterations=1)
             ),
-            scorer=TokenLogprobs(model, temperature=1.0, shared_prompt=True),
+            scorer=TokenLogprobs(model, temperature=1.0, shared_prompt=True, length_buckets=buckets),
             opt_step=opt,
             precision=resolve_precision("fp32", torch.device("cpu"), adapted=False),
             tolerance=(1e-4, 5e-4),
@@ -144,23 +144,31 @@ def _gradients(model, batch: Batch, plan: step.MicroBatches, lo: LossConfig):
     "loss", [{"loss_type": "grpo"}, {"loss_type": "dapo"}, {"importance_sampling_level": "sequence"}]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_token_budget_gives_the_equal_splits_gradient(tiny, loss, dtype):
+@pytest.mark.parametrize("buckets", [False, True], ids=["whole-groups", "length-buckets"])
+def test_a_token_budget_gives_the_equal_splits_gradient(tiny, loss, dtype, buckets, monkeypatch):
     """The same step split into one micro-batch (gradient_accumulation_steps=1), into 3 equal ones,
-    and by a token budget (several micro-batches of whole groups, lengths sorted): the same
-    gradient (beta > 0, TIS, the step's normalisers) up to summation order, the same logged
-    entropy. fp32: the budget's split is as close to one micro-batch as the equal split is (both
-    ~2e-6 of the gradient's norm); fp64: equal to 1e-12."""
+    and by a token budget (several micro-batches of whole groups, lengths sorted; with
+    length-buckets, each micro-batch's rows also run in buckets of similar length, as many as
+    there are lengths): the same gradient (beta > 0, TIS, the step's normalisers) up to summation
+    order, the same logged entropy. fp32: the budget's split is as close to one micro-batch as the
+    equal split is (both ~2e-6 of the gradient's norm); fp64: equal to 1e-12."""
+    from grpo_cli.logprobs import forward
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 0)  # (a bucket per length: the most splits)
     model, tok = tiny
     batch = _batch(_rollout(model, tok))
     model = copy.deepcopy(model).to(dtype)
     lo = LossConfig(beta=0.04, sampler_correction="tis", **loss)
     one = step.MicroBatches([torch.arange(24)], 1)
     three = step.MicroBatches([torch.arange(i, i + 8) for i in range(0, 24, 8)], 3)
-    rows, real = token_micro_batches(batch, budget=80, skip=None, d=Dist(), prompt_once=True)
-    assert real == len(rows) > 3 and all(len(r) % G == 0 for r in rows)
+    rows, real = token_micro_batches(
+        batch, budget=80, skip=None, d=Dist(), prompt_once=True, bucketed=buckets
+    )
+    assert real == len(rows) > (1 if buckets else 3) and all(len(r) % G == 0 for r in rows)
     assert sorted(torch.cat(rows).tolist()) == list(range(24))
     budget = step.MicroBatches(rows, real)
-    (g1, s1), (g3, _), (gb, sb) = (_gradients(model, batch, plan, lo) for plan in (one, three, budget))
+    (g1, s1), (g3, _) = (_gradients(model, batch, plan, lo) for plan in (one, three))
+    gb, sb = _gradients(model, batch, budget, lo, buckets)
     assert len(g1) == len(gb) > 0 and any(bool(g.abs().sum() > 0) for g in g1)
     flat = {
         name: torch.cat([g.flatten() for g in grads]) for name, grads in (("1", g1), ("3", g3), ("b", gb))
@@ -183,6 +191,34 @@ def test_the_budget_runs_fewer_padded_tokens():
         for b in pack_groups(shapes, G, 80, prompt_once=True)
     )
     assert packed < 0.75 * whole
+
+
+@pytest.mark.parametrize(
+    "lengths, overhead, buckets",
+    [
+        ([5, 5, 5, 5], 0, [[0, 1, 2, 3]]),  # one length: one bucket
+        ([1, 1, 1, 100], 10, [[0, 1, 2], [3]]),  # the long row alone saves 297 padded tokens
+        ([1, 1, 1, 100], 1000, [[0, 1, 2, 3]]),  # ... unless a pass costs more than that
+        ([9, 2, 9, 2], 0, [[1, 3], [0, 2]]),  # rows of equal length together, in order
+        ([3, 1, 2], 0, [[1], [2], [0]]),  # no overhead: a bucket per length
+        ([0, 0, 4, 4], 1, [[0, 1], [2, 3]]),  # a row with no tokens counts as one
+        ([7], 5, [[0]]),
+    ],
+)
+def test_length_buckets_minimise_padded_tokens_plus_a_cost_per_pass(lengths, overhead, buckets):
+    assert length_buckets(lengths, overhead) == buckets
+
+
+def test_bucketed_cost_is_the_buckets_padded_tokens(monkeypatch):
+    """With length buckets, one long completion no longer charges its group G times its length."""
+    from grpo_cli.logprobs import forward
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 16)
+    long = GroupShape(10, 100, True, (100, 2, 3, 2))
+    assert micro_batch_cost([long], G, True) == 10 + G * 100
+    assert micro_batch_cost([long], G, True, bucketed=True) == 10 + 100 + 3 * 3  # [100] + [2, 3, 2]
+    other = GroupShape(6, 3, True, (3, 3, 1, 2))  # its rows join the short bucket
+    assert micro_batch_cost([long, other], G, True, bucketed=True) == 2 * 10 + 100 + 7 * 3
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -208,29 +244,33 @@ def test_every_rank_runs_as_many_micro_batches_and_each_group_trains_once(tiny, 
         assert all(len(r) == G for r in rows[real:])
 
 
-def test_a_row_never_sees_another_rows_tokens(tiny):
+@pytest.mark.parametrize("buckets", [False, True], ids=["one-pass", "length-buckets"])
+def test_a_row_never_sees_another_rows_tokens(tiny, buckets, monkeypatch):
     """The leak sentinel: changing one row's completion tokens (in a micro-batch with the others,
-    prompts forwarded once) leaves every other row's log-probs as they were."""
+    prompts forwarded once; or run in length buckets: row 2 shares its bucket with row 0) leaves
+    every other row's log-probs as they were, and the buckets' scores equal one pass's."""
+    from grpo_cli.logprobs import forward
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 0)
     model, tok = tiny
     r = _rollout(model, tok)
-    rows = torch.arange(4, 8)  # group 1: the long one
-    sub = _batch(r).rows(rows).rollout
+    rows = torch.arange(4, 8)  # group 1: the long one, lengths 12, 9, 12, 4
+    sub = _batch(r).rollout if buckets else _batch(r).rows(rows).rollout
+    at = (rows if buckets else rows - 4).tolist()
+    options = ScoringOptions(1.0, length_buckets=buckets)
     with torch.no_grad():
-        before = token_logprobs(model, *sub.inputs(), temperature=1.0, num_generations=G)
+        before = score_tokens(model, *sub.inputs(), options, G).logps
         changed = sub.completion_ids.clone()
-        changed[2, :] = (changed[2, :] + 7) % 100
-        after = token_logprobs(
-            model,
-            sub.prompt_ids,
-            sub.prompt_mask,
-            changed,
-            sub.attention_mask,
-            temperature=1.0,
-            num_generations=G,
-        )
-    others = torch.tensor([0, 1, 3])
+        changed[at[2], :] = (changed[at[2], :] + 7) % 100
+        after = score_tokens(
+            model, sub.prompt_ids, sub.prompt_mask, changed, sub.attention_mask, options, G
+        ).logps
+        plain = token_logprobs(model, *sub.inputs(), temperature=1.0, num_generations=G)
+    others = torch.tensor([i for i in range(len(before)) if i != at[2]])
     assert torch.equal(before[others], after[others])
-    assert not torch.equal(before[2], after[2])
+    assert not torch.equal(before[at[2]], after[at[2]])
+    mask = sub.attention_mask.bool()
+    torch.testing.assert_close(before[mask], plain[mask], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -251,15 +291,18 @@ def test_token_budget_settings_are_checked(compose, overrides, message):
     assert len(problems) == 1 and message in problems[0], problems
 
 
-def test_a_token_budget_trains_the_tiny_model_and_resumes_bit_exact(compose, tmp_path):
+def test_a_token_budget_trains_the_tiny_model_and_resumes_bit_exact(compose, tmp_path, monkeypatch):
     """From YAML, a budget that splits the step (gradient checkpointing on: every row's prompt
-    counted), two iterations per step: the weights move, and a run stopped after 2 steps and
-    resumed to 3 ends with the weights of 3 steps in one go (the plan is a function of the step's
-    rollouts; the shuffle's RNG is in the checkpoint)."""
+    counted; rows in length buckets, a bucket per length), two iterations per step: the weights
+    move, and a run stopped after 2 steps and resumed to 3 ends with the weights of 3 steps in one
+    go (the plan is a function of the step's rollouts; the shuffle's RNG is in the checkpoint)."""
     from conftest import tiny as tiny_overrides
     from safetensors.torch import load_file
 
     from grpo_cli.cli.train import train_config
+    from grpo_cli.logprobs import forward
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 0)
 
     common = tiny_overrides(
         "data.eval_size=0",
@@ -281,12 +324,16 @@ def test_a_token_budget_trains_the_tiny_model_and_resumes_bit_exact(compose, tmp
     assert all(torch.equal(whole[k], split[k]) for k in whole)
 
 
-def test_a_token_budget_trains_multi_turn_episodes_with_lora(compose, tmp_path):
+def test_a_token_budget_trains_multi_turn_episodes_with_lora(compose, tmp_path, monkeypatch):
     """environment=calculator (episodes with tool replies: completions with holes, measured by their
-    last attended column) under LoRA adapters, with a budget that splits the step: it trains."""
+    last attended column) under LoRA adapters, with a budget that splits the step and rows in
+    length buckets (a bucket per length, under the shared prompts' cache): it trains."""
     from conftest import tiny as tiny_overrides
 
     from grpo_cli.cli.train import train_config
+    from grpo_cli.logprobs import forward
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 0)
 
     cfg = compose(
         tiny_overrides(

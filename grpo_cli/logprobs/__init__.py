@@ -33,10 +33,12 @@ from grpo_cli.logprobs.forward import (
     _forward_logits,
     checkpointing,
     forward_model,
+    length_buckets,
     model_logits,
     padding_bounds,
     position_ids_from_mask,
     prefill,
+    row_lengths,
 )
 from grpo_cli.logprobs.score import TokenLogprobs, score_tokens, token_logprobs
 from grpo_cli.logprobs.whole import (
@@ -62,10 +64,12 @@ __all__ = [
     "filter_logits",
     "forward_model",
     "hidden_states_out",
+    "length_buckets",
     "model_logits",
     "padding_bounds",
     "position_ids_from_mask",
     "prefill",
+    "row_lengths",
     "score_tokens",
     "selective_logprobs",
     "token_logprobs",

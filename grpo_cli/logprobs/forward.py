@@ -97,6 +97,7 @@ def _forward_logits(
     attention_mask,
     group_size: int = 1,
     temperature: float = 1.0,
+    buckets: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """(Within hidden_states_out: the final hidden states [B, C, H] at those positions, and the
     temperature is the caller's.) Logits [B, C, V] that score the C completion tokens, divided by the temperature (ref
@@ -114,12 +115,24 @@ def _forward_logits(
     cache). Same numbers as running every [prompt, completion] row in full, up to float rounding
     (tested), at a fraction of the cost: prompts are often most of the tokens. group_size=1 runs
     the plain full rows (ScoringOptions.shared_prompt=False: for an architecture not tested here).
+
+    buckets (length_buckets; ScoringOptions.length_buckets): the rows' indices in buckets of similar
+    length, each bucket's completions run as a batch of its own, as wide as its longest row (under
+    the shared prompt's KV cache, sliced to the bucket's rows), so a group's short completions stop
+    paying for its long one. Columns past a row's length hold zeros.
     """
     B, C = completion_ids.shape
     G = group_size
     if B % G:
         raise ValueError(f"_forward_logits: {B} rows are not groups of num_generations={G}")
     use_cache = G > 1 and not checkpointing(model)
+    if buckets is not None and len(buckets) > 1:
+        return _tempered(
+            _bucketed(
+                model, prompt_ids, prompt_mask, completion_ids, attention_mask, G if use_cache else 1, buckets
+            ),
+            temperature,
+        )
     if not use_cache:
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
         mask = torch.cat([prompt_mask, attention_mask], dim=1).long()  # [B, P+C]
@@ -149,6 +162,92 @@ def _forward_logits(
         use_cache=True,
     )  # [B, C-1, V]
     return _tempered(torch.cat([first_logits, rest], dim=1), temperature)  # [B, C, V]
+
+
+def row_lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Each row's length [B]: its last attended completion column + 1 (0 for a row with none); the
+    columns past it are padding (a completion's holes inside it are not)."""
+    C = attention_mask.shape[1]
+    last = torch.where(attention_mask.bool(), torch.arange(1, C + 1, device=attention_mask.device), 0)
+    return last.max(dim=1).values.tolist()
+
+
+# A forward pass's fixed cost in tokens (per bucket: the layers' launch and Python overhead, and the
+# shared prompt's KV read again): a bucket is split off only when it saves more padded tokens than this.
+BUCKET_OVERHEAD_TOKENS = 128
+
+
+def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list[int]]:
+    """The rows' indices in buckets of similar length: a partition of the rows sorted by length into
+    consecutive runs that minimises sum(rows x longest) + overhead per run (the padded tokens the
+    completion passes run, plus each pass's fixed cost), by dynamic programming over the sorted
+    lengths (O(B^2): B is a micro-batch's rows). One bucket when splitting saves nothing."""
+    overhead = BUCKET_OVERHEAD_TOKENS if overhead is None else overhead
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    L = [max(1, lengths[i]) for i in order]
+    best, cut = [0] + [None] * len(L), [0] * (len(L) + 1)
+    for j in range(1, len(L) + 1):  # best[j]: the cheapest split of the j shortest rows
+        for i in range(j):  # (the last bucket: sorted rows i..j-1, as wide as L[j - 1])
+            cost = best[i] + (j - i) * L[j - 1] + overhead
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], len(L)
+    while j:
+        runs.append(order[cut[j] : j])
+        j = cut[j]
+    return runs[::-1]
+
+
+def _bucketed(
+    model, prompt_ids, prompt_mask, completion_ids, attention_mask, G: int, buckets
+) -> torch.Tensor:
+    """_forward_logits' rows, bucket by bucket (untempered): [B, C, D], zeros past each bucket's
+    width. G > 1: the prompts [B/G, P] run once into a KV cache, and each bucket's completions run
+    under that cache's rows of their groups (a differentiable gather: the prompt's gradient sums over
+    its rows, as with batch_repeat_interleave). G = 1: each bucket's full rows, without the columns
+    that are padding in every row of the bucket."""
+    from transformers import DynamicCache
+
+    B, C = completion_ids.shape
+    widths = row_lengths(attention_mask)
+    if G > 1:
+        cache, first = prefill(model, prompt_ids[::G], prompt_mask[::G].long())  # [B/G, 1, V]
+    parts, order = [], []
+    for rows in buckets:
+        idx = torch.tensor(rows, device=completion_ids.device)
+        w = max(1, max(widths[i] for i in rows))  # the bucket's columns
+        if G > 1:
+            head = first[idx // G]  # [b, 1, D]: scores completion token 0
+            if w > 1:
+                sub = DynamicCache()
+                for layer_idx, layer in enumerate(cache.layers):  # the bucket's rows of the prompts' cache
+                    sub.update(layer.keys[idx // G], layer.values[idx // G], layer_idx)
+                mask = torch.cat([prompt_mask[idx], attention_mask[idx, : w - 1]], dim=1).long()  # [b, P+w-1]
+                rest = model_logits(
+                    model,
+                    input_ids=completion_ids[idx, : w - 1],
+                    attention_mask=mask,
+                    position_ids=position_ids_from_mask(mask)[:, prompt_ids.shape[1] :],
+                    past_key_values=sub,
+                    use_cache=True,
+                )  # [b, w-1, D]
+                head = torch.cat([head, rest], dim=1)  # [b, w, D]
+        else:
+            first_col, _ = padding_bounds(prompt_mask[idx], attention_mask[idx])
+            mask = torch.cat([prompt_mask[idx, first_col:], attention_mask[idx, :w]], dim=1).long()
+            head = model_logits(
+                model,
+                input_ids=torch.cat([prompt_ids[idx, first_col:], completion_ids[idx, :w]], dim=1),
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                logits_to_keep=w + 1,
+                use_cache=False,
+            )[:, :-1]  # [b, w, D]
+        parts.append(torch.nn.functional.pad(head, (0, 0, 0, C - w)))  # [b, C, D]
+        order.extend(rows)
+    inverse = torch.empty(B, dtype=torch.long, device=completion_ids.device)
+    inverse[torch.tensor(order, device=completion_ids.device)] = torch.arange(B, device=completion_ids.device)
+    return torch.cat(parts)[inverse]  # [B, C, D], the rows in their order
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

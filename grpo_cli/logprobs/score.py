@@ -10,8 +10,8 @@ from dataclasses import replace
 import torch
 
 from grpo_cli.logprobs.chunked import _sharded, chunk_tokens, chunkable, chunked_scores, hidden_states_out
-from grpo_cli.logprobs.forward import _forward_logits
-from grpo_cli.logprobs.whole import ScoringOptions, TokenScores, token_scores
+from grpo_cli.logprobs.forward import _forward_logits, length_buckets, row_lengths
+from grpo_cli.logprobs.whole import ScoringOptions, TokenScores, token_scores, truncates
 
 
 def score_tokens(
@@ -37,16 +37,18 @@ def score_tokens(
         num_generations if options.shared_prompt and groups_share_prompts(prompt_ids, num_generations) else 1
     )
     args = (model, prompt_ids, prompt_mask, completion_ids, attention_mask, group_size)
+    lengths = row_lengths(attention_mask) if options.length_buckets else None
+    buckets = length_buckets(lengths) if options.length_buckets else None
     if options.chunk_size != 0 and chunkable(model):
         with hidden_states_out(model) as out:
-            hidden = _forward_logits(*args, 1.0)  # [B, C, H]
+            hidden = _forward_logits(*args, 1.0, buckets)  # [B, C, H]
         if _sharded(out.head):  # (FSDP2 resharded its root after all: the whole logits, once more)
             return score_tokens(*args[:5], replace(options, chunk_size=0), num_generations)
-        vocab = out.head.weight.shape[0]
-        return chunked_scores(
-            out, hidden, completion_ids, options, chunk=chunk_tokens(options.chunk_size, vocab)
-        )
-    logits = _forward_logits(*args, options.temperature)  # [B, C, V], tempered
+        chunk = chunk_tokens(options.chunk_size, out.head.weight.shape[0])
+        if lengths is None:
+            return chunked_scores(out, hidden, completion_ids, options, chunk=chunk)
+        return _within_lengths(out, hidden, completion_ids, lengths, options, chunk)
+    logits = _forward_logits(*args, options.temperature, buckets)  # [B, C, V], tempered
     o = options
     return token_scores(
         logits,
@@ -56,6 +58,35 @@ def score_tokens(
         top_k=o.top_k,
         top_p=o.top_p,
         entropy_grad=o.entropy_grad,
+    )
+
+
+def _within_lengths(
+    out, hidden, completion_ids, lengths: list[int], options: ScoringOptions, chunk: int
+) -> TokenScores:
+    """chunked_scores of the columns within each row's length only (the output layer's work in
+    proportion to real tokens), the others zeros: hidden [B, C, H] -> TokenScores [B, C]."""
+    B, C, H = hidden.shape
+    inside = torch.arange(C, device=hidden.device) < torch.tensor(lengths, device=hidden.device).unsqueeze(
+        1
+    )  # [B, C]
+    at = inside.view(-1).nonzero().squeeze(1)  # [K]: the flat positions scored
+    s = chunked_scores(
+        out,
+        hidden.reshape(B * C, H)[at].unsqueeze(0),
+        completion_ids.reshape(-1)[at].unsqueeze(0),
+        options,
+        chunk=chunk,
+    )
+
+    def spread(t):  # [1, K] -> [B, C], zeros outside (differentiable in t)
+        return None if t is None else t.new_zeros(B * C).index_put((at,), t[0]).view(B, C)
+
+    logps = spread(s.logps)
+    return TokenScores(
+        logps,
+        spread(s.entropy),
+        spread(s.behaviour) if truncates(options.top_k, options.top_p) else logps.detach(),
     )
 
 
@@ -96,6 +127,7 @@ class TokenLogprobs(torch.nn.Module):
         top_p: float = 1.0,
         chunk_size: int | None = None,
         entropy_grad: bool = False,
+        length_buckets: bool = False,
     ):
         super().__init__()
         self.model = model
@@ -107,6 +139,7 @@ class TokenLogprobs(torch.nn.Module):
             shared_prompt=shared_prompt,
             chunk_size=chunk_size,
             entropy_grad=entropy_grad,
+            length_buckets=length_buckets,
         )
 
     def forward(self, prompt_ids, prompt_mask, completion_ids, attention_mask, num_generations: int = 1):

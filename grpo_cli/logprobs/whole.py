@@ -58,6 +58,9 @@ class ScoringOptions:
     chunk_size: int | None = None
     # The entropy with its gradient (loss.entropy_coef: the entropy bonus); implies with_entropy.
     entropy_grad: bool = False
+    # Rows run in buckets of similar length (forward.length_buckets), and the chunked output layer
+    # scores only the columns within each row's length (trainer.micro_batch_tokens turns it on).
+    length_buckets: bool = False
 
 
 class TokenScores(NamedTuple):
