@@ -393,3 +393,43 @@ def test_length_buckets_replay_truncation_and_keep_the_entropys_gradient(monkeyp
     assert not torch.equal(one.behaviour[mask], one.logps[mask].detach())  # (top_p truncates here)
     torch.testing.assert_close(bucketed.behaviour[mask], one.behaviour[mask], rtol=1e-6, atol=2e-6)
     _assert_same_grads([n for n, _ in model.named_parameters()], theirs, ours)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_a_prefix_every_prompt_shares_runs_once_with_the_same_scores_and_gradients(name, monkeypatch):
+    """Under length buckets, the real tokens every prompt of a micro-batch begins with (a system
+    prompt, tool instructions) run once for all its groups, each prompt's remainder after them at
+    its own positions (left padding a hole between): the same log-probs and gradients as one pass
+    (fp32, 1e-6), with one forward more than the groups' prompts alone (the prefix's)."""
+    from dataclasses import replace
+
+    from test_architectures import left_pad
+
+    from grpo_cli.logprobs import forward
+
+    monkeypatch.setattr(forward, "BUCKET_OVERHEAD_TOKENS", 0)
+    model = build(name).train()
+    rows, _, (_, _, c_ids, c_mask) = batch(True)
+    prefix = [7, 8, 9, 10, 11, 12]
+    p_ids, p_mask = left_pad([prefix + r for r in rows], 0, "cpu")
+    tensors = (p_ids, p_mask, c_ids, c_mask)
+    assert forward._common_prefix(p_ids[::G], p_mask[::G]) == len(prefix)
+    calls = []
+    real = forward.model_logits
+    monkeypatch.setattr(
+        forward, "model_logits", lambda *a, **k: calls.append(k["input_ids"].shape) or real(*a, **k)
+    )
+    weights = torch.linspace(-1.0, 1.0, c_ids.shape[0])
+    options = ScoringOptions(0.7, with_entropy=True)
+    params = list(model.parameters())
+    results = []
+    for opts in (options, replace(options, length_buckets=True)):
+        scores = score_tokens(model, *tensors, opts, G)
+        loss = (scores.logps * c_mask.float() * weights[:, None]).sum()
+        results.append((scores, torch.autograd.grad(loss, params, allow_unused=True)))
+    (one, ours), (bucketed, theirs) = results
+    # the prefix, once (not under a sliding window narrower than the rows: it measures cache columns)
+    assert ((1, len(prefix)) in calls) == (name not in ("mistral", "gemma2", "gemma3"))
+    mask = c_mask.bool()
+    torch.testing.assert_close(bucketed.logps[mask], one.logps[mask], rtol=1e-6, atol=2e-6)
+    _assert_same_grads([n for n, _ in model.named_parameters()], theirs, ours)

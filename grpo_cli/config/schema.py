@@ -237,8 +237,9 @@ class TrainerConfig:
     gradient_accumulation_steps: int = 1
     # Micro-batches by a token budget (grpo_cli/packing.py): the step's groups, sorted by length,
     # packed into micro-batches that each run at most this many tokens (a group's prompt once plus
-    # its G completions at the micro-batch's width, padding included; a group over it runs alone).
-    # Replaces gradient_accumulation_steps's equal split; the gradient is the same. null: off.
+    # its completions, each micro-batch's rows run in buckets of similar length: the buckets'
+    # padded tokens; a group over it runs alone). Replaces gradient_accumulation_steps's equal
+    # split; the gradient is the same. null: off (one pass per micro-batch, rows at its width).
     micro_batch_tokens: Optional[int] = None
     num_iterations: int = 1  # updates per rollout; 1 is on-policy
     # 64 steps x 4 prompts x 8 = 2048 sampled completions (issue #20's budget).

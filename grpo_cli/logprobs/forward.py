@@ -126,7 +126,7 @@ def _forward_logits(
     if B % G:
         raise ValueError(f"_forward_logits: {B} rows are not groups of num_generations={G}")
     use_cache = G > 1 and not checkpointing(model)
-    if buckets is not None and len(buckets) > 1:
+    if buckets is not None and (len(buckets) > 1 or use_cache):
         return _tempered(
             _bucketed(
                 model, prompt_ids, prompt_mask, completion_ids, attention_mask, G if use_cache else 1, buckets
@@ -198,6 +198,67 @@ def length_buckets(lengths: list[int], overhead: int | None = None) -> list[list
     return runs[::-1]
 
 
+def _common_prefix(ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """How many first real tokens every row of the left-padded ids [g, P] shares (a chat template's
+    system prompt, an environment's tool instructions), leaving each row one of its own."""
+    rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+    k = min(len(r) for r in rows) - 1
+    for i in range(max(k, 0)):
+        if any(r[i] != rows[0][i] for r in rows):
+            return i
+    return max(k, 0)
+
+
+def _windowed(model, span: int) -> bool:
+    """Whether the model's attention has a sliding window shorter than `span` columns: its masks
+    measure distances in cache columns, so a hole in the cache would move tokens out of the window."""
+    window = getattr(forward_model(model).config.get_text_config(), "sliding_window", None)
+    return window is not None and window < span
+
+
+def _prefill_common(model, ids: torch.Tensor, mask: torch.Tensor, completion_width: int):
+    """prefill of the prompts ids/mask [g, P] (left-padded), with the real tokens they all begin
+    with run once, where that saves more than a pass costs: (the KV cache, the last position's
+    logits [g, 1, D], the cache's mask [g, P']: the shared prefix's k columns, then each prompt's
+    remaining columns, its left padding a hole between them). Positions count real tokens (ref
+    000.3), so each prompt's remainder sits at the positions it has in the full prompt. Not under
+    a sliding window narrower than the rows (_windowed)."""
+    from transformers import DynamicCache
+
+    g, P = ids.shape
+    k = _common_prefix(ids, mask) if g > 1 and not _windowed(model, P + completion_width) else 0
+    if (g - 1) * k <= BUCKET_OVERHEAD_TOKENS:
+        return (*prefill(model, ids, mask), mask)
+    start = int(mask[0].argmax())  # (row 0's first real column)
+    shared = DynamicCache()
+    model_logits(
+        model,
+        input_ids=ids[:1, start : start + k],
+        attention_mask=mask[:1, start : start + k],
+        position_ids=torch.arange(k, device=ids.device).unsqueeze(0),
+        past_key_values=shared,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = DynamicCache()
+    for layer_idx, layer in enumerate(shared.layers):  # the prefix's keys for every prompt
+        cache.update(layer.keys.expand(g, -1, -1, -1), layer.values.expand(g, -1, -1, -1), layer_idx)
+    cols = torch.arange(P - k, device=ids.device).unsqueeze(0)  # [1, P-k]
+    starts = mask.long().argmax(-1, keepdim=True)  # [g, 1]
+    src = torch.where(cols < starts, cols, cols + k)  # [g, P-k]: each row's padding, then its rest
+    side = torch.cat([mask[:, :k].new_ones(g, k), mask.gather(1, src)], dim=1)  # [g, k+P-k]
+    first = model_logits(
+        model,
+        input_ids=ids.gather(1, src),
+        attention_mask=side,
+        position_ids=position_ids_from_mask(side)[:, k:],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )  # [g, 1, D]
+    return cache, first, side
+
+
 def _bucketed(
     model, prompt_ids, prompt_mask, completion_ids, attention_mask, G: int, buckets
 ) -> torch.Tensor:
@@ -210,8 +271,8 @@ def _bucketed(
 
     B, C = completion_ids.shape
     widths = row_lengths(attention_mask)
-    if G > 1:
-        cache, first = prefill(model, prompt_ids[::G], prompt_mask[::G].long())  # [B/G, 1, V]
+    if G > 1:  # prompt_mask: now the prompts' side of the cache, [B/G, P'] (_prefill_common)
+        cache, first, prompt_mask = _prefill_common(model, prompt_ids[::G], prompt_mask[::G].long(), C)
     parts, order = [], []
     for rows in buckets:
         idx = torch.tensor(rows, device=completion_ids.device)
@@ -222,12 +283,14 @@ def _bucketed(
                 sub = DynamicCache()
                 for layer_idx, layer in enumerate(cache.layers):  # the bucket's rows of the prompts' cache
                     sub.update(layer.keys[idx // G], layer.values[idx // G], layer_idx)
-                mask = torch.cat([prompt_mask[idx], attention_mask[idx, : w - 1]], dim=1).long()  # [b, P+w-1]
+                mask = torch.cat(
+                    [prompt_mask[idx // G], attention_mask[idx, : w - 1]], dim=1
+                ).long()  # [b, P'+w-1]
                 rest = model_logits(
                     model,
                     input_ids=completion_ids[idx, : w - 1],
                     attention_mask=mask,
-                    position_ids=position_ids_from_mask(mask)[:, prompt_ids.shape[1] :],
+                    position_ids=position_ids_from_mask(mask)[:, prompt_mask.shape[1] :],
                     past_key_values=sub,
                     use_cache=True,
                 )  # [b, w-1, D]
