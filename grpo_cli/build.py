@@ -463,8 +463,9 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         chunk_size=t.logprob_chunk_size,
         entropy_grad=cfg.loss.entropy_coef != 0
         or cfg.loss.use_adaptive_entropy,  # the entropy bonus needs the entropy's gradient
-        # (FSDP2's forwards are collectives: every rank must run as many, whatever its lengths)
-        length_buckets=t.micro_batch_tokens is not None and not fsdp,
+        # (FSDP2's forwards are collectives: every rank must run as many, whatever its lengths; an
+        # untested architecture runs the plain rows)
+        length_buckets=t.micro_batch_tokens is not None and not fsdp and fast_paths,
     )
     rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
     scorer = wrap_scorer(scorer, d, device)

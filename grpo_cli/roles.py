@@ -117,7 +117,8 @@ class Learner:
                 skip=batch.zero_std.cpu() if skip and self.cfg.loss.zero_std == "mask" else None,
                 d=self.dist,
                 prompt_once=self.fast_paths and not t.gradient_checkpointing,
-                bucketed=not (self.dist.enabled and t.distributed == "fsdp"),  # (as build.py's scorer)
+                bucketed=self.fast_paths
+                and not (self.dist.enabled and t.distributed == "fsdp"),  # (as build.py's)
             )
             return phases.MicroBatches(rows, real)
         return phases.micro_batches(
@@ -150,7 +151,7 @@ class Learner:
             self.cfg.sampler.temperature,
             shared_prompt=self.fast_paths,
             chunk_size=t.logprob_chunk_size,
-            length_buckets=t.micro_batch_tokens is not None,
+            length_buckets=t.micro_batch_tokens is not None and self.fast_paths,
         )
         logps = phases.reference_logprobs(model, batch, plan, options, self.precision)
         return logps, time.perf_counter() - tick

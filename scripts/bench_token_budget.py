@@ -24,6 +24,7 @@ ratios per pair and their median. Prints a table and writes scripts/results/toke
 A benchmark: nothing is asserted.
 
     ... bench_token_budget.py --fits 16       # runs nothing
+    ... bench_token_budget.py --fits 16 --confirm   # and one run of the budget's longest
 
 --fits GIB: the longest completion (4 prompts x 8 a step, the Qwen2.5-0.5B shape, fp32, full
 fine-tuning, beta 0.04) whose memory estimate (grpo-check-env's) is within GIB GiB, today (the
@@ -176,6 +177,35 @@ def fits(gib: float, budget: int) -> list[dict]:
     return rows
 
 
+def confirm(rows: list[dict], budget: int) -> None:
+    """One real run of the budget arm at its longest completion: the Qwen2.5-0.5B shape with random
+    weights (they never emit EOS: every completion is that long, the worst case the estimate plans
+    for), two steps (the second holds AdamW's state beside the activations); its peak resident set
+    against the estimate. Writes scripts/results/token_budget_confirm.json."""
+    from bench_memory_estimate import _shape_folder
+    from bench_qwen_shape import run
+
+    row = next(r for r in rows if r["arm"] == "budget")
+    folder = _shape_folder(harness.ROOT / ".bench", "qwen0.5b")
+    extra = [
+        "trainer.prompts_per_step=4",
+        "sampler.num_generations=8",
+        f"sampler.max_new_tokens={row['largest_completion_tokens']}",
+        "trainer.precision=fp32",
+        f"trainer.micro_batch_tokens={budget}",
+    ]
+    measured = run(folder, 0.04, 2, OUT / "confirm", extra)
+    out = row | {
+        "measured_gib": measured["peak_rss_gb"],
+        "step_s": measured["median_step_s"],
+        "wall_s": measured["wall_s"],
+    }
+    harness.print_table([out], list(out))
+    print(
+        f"wrote {harness.write_result('token_budget_confirm', [out], notes=f'--fits --confirm --budget {budget}')}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
@@ -183,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "--fits":
         budget = int(argv[argv.index("--budget") + 1]) if "--budget" in argv else 1024
-        fits(float(argv[1]), budget)
+        rows = fits(float(argv[1]), budget)
+        if "--confirm" in argv:
+            confirm(rows, budget)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", default=list(CASES), choices=list(CASES))

@@ -417,7 +417,9 @@ def test_a_prefix_every_prompt_shares_runs_once_with_the_same_scores_and_gradien
     calls = []
     real = forward.model_logits
     monkeypatch.setattr(
-        forward, "model_logits", lambda *a, **k: calls.append(k["input_ids"].shape) or real(*a, **k)
+        forward,
+        "model_logits",
+        lambda *a, **k: calls.append(k.get("inputs_embeds", k.get("input_ids")).shape[:2]) or real(*a, **k),
     )
     weights = torch.linspace(-1.0, 1.0, c_ids.shape[0])
     options = ScoringOptions(0.7, with_entropy=True)

@@ -216,40 +216,44 @@ def _windowed(model, span: int) -> bool:
     return window is not None and window < span
 
 
-def _prefill_common(model, ids: torch.Tensor, mask: torch.Tensor, completion_width: int):
-    """prefill of the prompts ids/mask [g, P] (left-padded), with the real tokens they all begin
-    with run once, where that saves more than a pass costs: (the KV cache, the last position's
-    logits [g, 1, D], the cache's mask [g, P']: the shared prefix's k columns, then each prompt's
-    remaining columns, its left padding a hole between them). Positions count real tokens (ref
-    000.3), so each prompt's remainder sits at the positions it has in the full prompt. Not under
-    a sliding window narrower than the rows (_windowed)."""
+def _prefill_common(
+    model, ids: torch.Tensor, mask: torch.Tensor, embeds: torch.Tensor, completion_width: int
+):
+    """prefill of the prompts ids/mask [g, P] (left-padded; embeds [g, P, H]: their input
+    embeddings), with the real tokens they all begin with run once, where that saves more than a
+    pass costs: (the KV cache, the last position's logits [g, 1, D], the cache's mask [g, P']: the
+    shared prefix's k columns, then each prompt's remaining columns, its left padding a hole between
+    them). Positions count real tokens (ref 000.3), so each prompt's remainder sits at the positions
+    it has in the full prompt. Not under a sliding window narrower than the rows (_windowed)."""
     from transformers import DynamicCache
 
     g, P = ids.shape
     k = _common_prefix(ids, mask) if g > 1 and not _windowed(model, P + completion_width) else 0
-    if (g - 1) * k <= BUCKET_OVERHEAD_TOKENS:
-        return (*prefill(model, ids, mask), mask)
-    start = int(mask[0].argmax())  # (row 0's first real column)
-    shared = DynamicCache()
-    model_logits(
-        model,
-        input_ids=ids[:1, start : start + k],
-        attention_mask=mask[:1, start : start + k],
-        position_ids=torch.arange(k, device=ids.device).unsqueeze(0),
-        past_key_values=shared,
-        use_cache=True,
-        logits_to_keep=1,
-    )
     cache = DynamicCache()
-    for layer_idx, layer in enumerate(shared.layers):  # the prefix's keys for every prompt
-        cache.update(layer.keys.expand(g, -1, -1, -1), layer.values.expand(g, -1, -1, -1), layer_idx)
-    cols = torch.arange(P - k, device=ids.device).unsqueeze(0)  # [1, P-k]
-    starts = mask.long().argmax(-1, keepdim=True)  # [g, 1]
-    src = torch.where(cols < starts, cols, cols + k)  # [g, P-k]: each row's padding, then its rest
-    side = torch.cat([mask[:, :k].new_ones(g, k), mask.gather(1, src)], dim=1)  # [g, k+P-k]
+    if (g - 1) * k > BUCKET_OVERHEAD_TOKENS:
+        start = int(mask[0].argmax())  # (row 0's first real column)
+        shared = DynamicCache()
+        model_logits(
+            model,
+            inputs_embeds=embeds[:1, start : start + k],
+            attention_mask=mask[:1, start : start + k],
+            position_ids=torch.arange(k, device=ids.device).unsqueeze(0),
+            past_key_values=shared,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for layer_idx, layer in enumerate(shared.layers):  # the prefix's keys for every prompt
+            cache.update(layer.keys.expand(g, -1, -1, -1), layer.values.expand(g, -1, -1, -1), layer_idx)
+        cols = torch.arange(P - k, device=ids.device).unsqueeze(0)  # [1, P-k]
+        starts = mask.long().argmax(-1, keepdim=True)  # [g, 1]
+        src = torch.where(cols < starts, cols, cols + k)  # [g, P-k]: each row's padding, then its rest
+        side = torch.cat([mask[:, :k].new_ones(g, k), mask.gather(1, src)], dim=1)  # [g, k+P-k]
+        embeds = embeds.gather(1, src.unsqueeze(-1).expand(-1, -1, embeds.shape[-1]))  # [g, P-k, H]
+    else:
+        k, side = 0, mask
     first = model_logits(
         model,
-        input_ids=ids.gather(1, src),
+        inputs_embeds=embeds,
         attention_mask=side,
         position_ids=position_ids_from_mask(side)[:, k:],
         past_key_values=cache,
@@ -266,13 +270,21 @@ def _bucketed(
     width. G > 1: the prompts [B/G, P] run once into a KV cache, and each bucket's completions run
     under that cache's rows of their groups (a differentiable gather: the prompt's gradient sums over
     its rows, as with batch_repeat_interleave). G = 1: each bucket's full rows, without the columns
-    that are padding in every row of the bucket."""
+    that are padding in every row of the bucket. Every token is embedded in one call, and the passes
+    take slices of it (inputs_embeds): one embedding backward, whose weight gradient is as large as
+    the vocabulary, instead of one per pass."""
     from transformers import DynamicCache
 
     B, C = completion_ids.shape
     widths = row_lengths(attention_mask)
+    prompts = prompt_ids[::G]  # [B/G, P]: each group's prompt (G = 1: every row's)
+    table = forward_model(model).get_input_embeddings()(
+        torch.cat([prompts.flatten(), completion_ids.flatten()])
+    )
+    p_emb = table[: prompts.numel()].view(*prompts.shape, -1)  # [B/G, P, H]
+    c_emb = table[prompts.numel() :].view(B, C, -1)  # [B, C, H]
     if G > 1:  # prompt_mask: now the prompts' side of the cache, [B/G, P'] (_prefill_common)
-        cache, first, prompt_mask = _prefill_common(model, prompt_ids[::G], prompt_mask[::G].long(), C)
+        cache, first, prompt_mask = _prefill_common(model, prompts, prompt_mask[::G].long(), p_emb, C)
     parts, order = [], []
     for rows in buckets:
         idx = torch.tensor(rows, device=completion_ids.device)
@@ -288,7 +300,7 @@ def _bucketed(
                 ).long()  # [b, P'+w-1]
                 rest = model_logits(
                     model,
-                    input_ids=completion_ids[idx, : w - 1],
+                    inputs_embeds=c_emb[idx, : w - 1],
                     attention_mask=mask,
                     position_ids=position_ids_from_mask(mask)[:, prompt_mask.shape[1] :],
                     past_key_values=sub,
@@ -300,7 +312,7 @@ def _bucketed(
             mask = torch.cat([prompt_mask[idx, first_col:], attention_mask[idx, :w]], dim=1).long()
             head = model_logits(
                 model,
-                input_ids=torch.cat([prompt_ids[idx, first_col:], completion_ids[idx, :w]], dim=1),
+                inputs_embeds=torch.cat([p_emb[idx, first_col:], c_emb[idx, :w]], dim=1),
                 attention_mask=mask,
                 position_ids=position_ids_from_mask(mask),
                 logits_to_keep=w + 1,
