@@ -45,7 +45,10 @@ def score_tokens(
         if _sharded(out.head):  # (FSDP2 resharded its root after all: the whole logits, once more)
             return score_tokens(*args[:5], replace(options, chunk_size=0), num_generations)
         chunk = chunk_tokens(options.chunk_size, out.head.weight.shape[0])
-        if lengths is None:
+        # (Scoring only the real columns gathers them into a tensor of their own: worth it where
+        # padding is over a fifth of the columns; below, measured, the gather raised the default
+        # recipe's peak by 4% and saved no time.)
+        if lengths is None or sum(lengths) > 0.8 * completion_ids.numel():
             return chunked_scores(out, hidden, completion_ids, options, chunk=chunk)
         return _within_lengths(out, hidden, completion_ids, lengths, options, chunk)
     logits = _forward_logits(*args, options.temperature, buckets)  # [B, C, V], tempered
