@@ -15,9 +15,11 @@ packed by what their forward costs:
   Groups are sorted by length first, so a micro-batch's padding is small and its padded tokens are
   close to its real ones.
 - Where the scorer runs a micro-batch's rows in length buckets (logprobs.forward.length_buckets:
-  whenever the budget is set, but under FSDP2), a micro-batch's completions cost their buckets'
-  padded tokens instead: close to the real ones, so one long episode no longer charges its group
-  G times its length.
+  whenever the budget is set on a tested architecture, but under FSDP2), a micro-batch's
+  completions cost their buckets' padded tokens instead: close to the real ones, so one long
+  episode no longer charges its group G times its length. (Its prompts still count once per
+  group: a prefix they all share runs once, logprobs.forward._prefill_common, which this cost
+  does not credit.)
 - Micro-batches keep whole groups (ref 004). A group over the budget runs alone.
 - The plan is one list for the whole step, the same on every rank (each holds the gathered step),
   with at least as many micro-batches as ranks where there are as many groups (the costliest
