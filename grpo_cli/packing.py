@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.distributed import Dist
-from grpo_cli.logprobs import length_buckets
+from grpo_cli.logprobs import length_buckets, row_lengths
 from grpo_cli.rollout import Batch
 
 
@@ -59,12 +59,11 @@ def group_shapes(batch: Batch, groups: list[int]) -> list[GroupShape]:
     """The shapes of `groups` (indices of the step's groups of num_generations rows)."""
     r, G = batch.rollout, batch.num_generations
     prompt = r.prompt_mask.sum(-1).view(-1, G).amax(-1).tolist()  # [n_groups]
-    cols = torch.arange(1, r.attention_mask.shape[1] + 1, device=r.attention_mask.device)
-    last = (r.attention_mask.bool() * cols).amax(-1).view(-1, G).amax(-1).tolist()  # [n_groups]
+    lengths = row_lengths(r.attention_mask)  # [N]: each row's last attended column + 1
     P = r.prompt_ids.shape[1]
     same = (r.prompt_ids.view(-1, G, P) == r.prompt_ids[::G].unsqueeze(1)).all(-1).all(-1).tolist()
-    rows = (r.attention_mask.bool() * cols).amax(-1).view(-1, G).tolist()  # [n_groups, G]
-    return [GroupShape(int(prompt[g]), max(int(last[g]), 1), bool(same[g]), tuple(rows[g])) for g in groups]
+    rows = [tuple(lengths[g * G : (g + 1) * G]) for g in groups]
+    return [GroupShape(int(prompt[g]), max(max(n), 1), bool(same[g]), n) for g, n in zip(groups, rows)]
 
 
 def micro_batch_cost(shapes: list[GroupShape], G: int, prompt_once: bool, bucketed: bool = False) -> int:
