@@ -209,11 +209,11 @@ def test_a_group_override_on_a_checkpoint_replaces_that_section_with_the_preset(
 
 
 @pytest.mark.parametrize("override", ["+trainer.foo=1", "~loss", "reward=[accuracy]", "experiment=gsm8k"])
-def test_overrides_a_saved_config_cannot_take_are_refused_in_one_paragraph(tmp_path, override):
+def test_overrides_that_change_a_saved_config_are_refused_in_one_paragraph(tmp_path, override):
     from grpo_cli.cli.common import typed_config
     from grpo_cli.errors import UserError
 
-    with pytest.raises(UserError, match="with --checkpoint these overrides do not apply") as err:
+    with pytest.raises(UserError, match="these overrides change what the checkpoint was trained") as err:
         typed_config([override], checkpoint=_saved_checkpoint(tmp_path))
     assert override in str(err.value) and "\n" not in str(err.value)
 
