@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,6 @@ from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["trainer.eval_before=false", "data.eval_size=8", "trainer.save_steps=1000", "trainer.quiet=true"]
 CASES = {
     "1 process": [],
@@ -43,20 +41,10 @@ PHASES = ("step_time", "time/rollout", "time/reward", "time/policy", "time/optim
 
 def train(name: str, steps: int, work: Path) -> dict[str, float]:
     run = work / name.replace(" ", "_").replace(",", "")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("OMP_NUM_THREADS", None)  # one process: every core; two: the launcher shares them
-    cmd = [
-        sys.executable,
-        "-m",
-        "grpo_cli.cli.train",
-        *RECIPE,
-        f"trainer.max_steps={steps}",
-        f"hydra.run.dir={run}",
-    ]
-    res = subprocess.run(cmd + CASES[name], capture_output=True, text=True, env=env, cwd=work)
-    if res.returncode:
-        raise SystemExit(f"{name} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-    rows = [r for r in harness.rows(run) if r.get("step", 0) >= 2 and "step_time" in r]
+    overrides = [*RECIPE, f"trainer.max_steps={steps}", *CASES[name]]
+    # OMP_NUM_THREADS unset: one process takes every core; with two, the launcher shares them
+    metrics = harness.launch(overrides, run, cwd=work, env={"OMP_NUM_THREADS": None}, name=name)
+    rows = [r for r in metrics if r.get("step", 0) >= 2 and "step_time" in r]
     return {p: statistics.median(r[p] for r in rows) for p in PHASES}
 
 
@@ -122,17 +110,12 @@ def main() -> None:
             training[name] = train(name, args.steps, work)
             print(f"{name}: done", file=sys.stderr, flush=True)
         out = work / "gather.json"
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
-        }
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        res = subprocess.run(
-            cmd + [__file__, "--gather-worker", str(out)], capture_output=True, text=True, env=env, cwd=work
+        harness.run(
+            harness.torchrun(__file__, "--gather-worker", out, processes=2),
+            name="gather benchmark",
+            cwd=work,
+            threads=max(1, (os.cpu_count() or 2) // 2),
         )
-        if res.returncode:
-            raise SystemExit(f"gather benchmark failed:\n{res.stderr[-4000:]}")
         g = json.loads(out.read_text())
 
     base = training["1 process"]["step_time"]

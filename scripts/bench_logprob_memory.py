@@ -23,25 +23,13 @@ scripts/results/logprob_memory.json; --json elsewhere). A benchmark: nothing is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import harness
 from bench_qwen_shape import SHAPES  # the model shapes, one source
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def worker(args) -> None:
@@ -78,17 +66,17 @@ def worker(args) -> None:
         tick = time.perf_counter()
         out = scorer(*inputs, num_generations=G) if new_api else scorer(*inputs)
         logps = out[0]
-        forward, forward_peak = time.perf_counter() - tick, _rss_kib("VmHWM")
+        forward, forward_peak = time.perf_counter() - tick, harness.status_kib("VmHWM")
         (logps.float() * torch.randn(G, C)).sum().backward()
         model.zero_grad(set_to_none=True)
         del out, logps
         return forward, time.perf_counter() - tick, forward_peak
 
     phase()  # warm-up: the allocator's first touches, the gradients' first buffers
-    start = _rss_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    start = harness.status_kib("VmRSS")
+    harness.reset_peak()  # VmHWM := the current RSS
     forward, total, forward_peak = phase()
-    peak = _rss_kib("VmHWM")
+    peak = harness.status_kib("VmHWM")
     print(
         json.dumps(
             {
@@ -111,20 +99,6 @@ def worker(args) -> None:
         ),
         flush=True,
     )
-
-
-def _worktree(rev: str) -> Path:
-    """A temporary checkout of `rev` whose grpo_cli (with conf as grpo_cli.conf) shadows this one."""
-    where = Path(tempfile.mkdtemp(prefix="grpo-baseline-"))
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev],
-        check=True,
-        capture_output=True,
-    )
-    conf = where / "grpo_cli" / "conf"
-    if not conf.exists():
-        conf.symlink_to(where / "conf")
-    return where
 
 
 def main() -> None:
@@ -156,46 +130,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    trees = [("this", None)]
-    baseline = None
-    if args.baseline:
-        baseline = _worktree(args.baseline)
-        trees.append((args.baseline, baseline))
     rows = []
-    try:
+    with contextlib.ExitStack() as stack:
+        trees = [("this", None)]
+        if args.baseline:
+            trees.append((args.baseline, stack.enter_context(harness.worktree(args.baseline))))
         for _ in range(args.repeats):
             for precision in args.precisions:
                 for name, tree, chunk in [(n, t, c) for n, t in trees for c in args.chunks]:
-                    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-                    if tree is not None:
-                        env["PYTHONPATH"] = str(tree)
-                    cmd = [
-                        sys.executable,
-                        __file__,
-                        "--worker",
-                        "--model",
-                        args.model,
-                        "--precision",
-                        precision,
-                    ]
-                    cmd += ["--rows", str(args.rows), "--prompt-tokens", str(args.prompt_tokens)]
-                    cmd += [
-                        "--completion-tokens",
-                        str(args.completion_tokens),
-                        "--threads",
-                        str(args.threads),
-                    ]
+                    cmd = ["--worker", "--model", args.model, "--precision", precision]
+                    cmd += ["--rows", args.rows, "--prompt-tokens", args.prompt_tokens]
+                    cmd += ["--completion-tokens", args.completion_tokens, "--threads", args.threads]
                     cmd += ["--tree-name", name, "--chunk", chunk]
                     cmd += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
-                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree or ROOT)
-                    if proc.returncode:
-                        raise SystemExit(f"{name} {precision}: the worker failed:\n{proc.stderr[-3000:]}")
-                    rows += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    finally:
-        if baseline is not None:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)], capture_output=True
-            )
+                    done = harness.run(
+                        harness.script(__file__, *cmd),
+                        name=f"{name} {precision}: the worker",
+                        cwd=tree or harness.ROOT,
+                        threads=args.threads,
+                        env={"PYTHONPATH": str(tree)} if tree is not None else None,
+                    )
+                    rows += done.json_lines()
     print(
         f"{args.model}, {args.rows} x ({args.prompt_tokens} prompt + {args.completion_tokens} completion) tokens"
     )

@@ -26,36 +26,18 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parent.parent
 LORA = ["adapter=lora"]  # r=16, alpha=32, all linear layers but the output head (conf/adapter/lora.yaml)
 
 
 def grpo_train(args: list[str], out: Path) -> tuple[list[dict], float, float, str]:
-    """grpo-train in a fresh process: (metrics rows, peak RSS in GiB, wall seconds, stdout)."""
-    code = "import sys; from grpo_cli.cli.train import main; sys.argv[0] = 'grpo-train'; main()"
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args, f"hydra.run.dir={out}"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    stdout = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: its peak RSS
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"grpo-train {' '.join(args)} failed (exit {proc.returncode}):\n{stdout[-3000:]}")
-    return harness.rows(out), usage.ru_maxrss / 2**20, wall, stdout
+    """grpo-train in a fresh process: (metrics rows, peak RSS in GiB, wall seconds, its output)."""
+    done = harness.train(args, out)
+    return harness.rows(out), done.peak_rss_kib / 2**20, done.wall_s, done.output
 
 
 def longest_prompt() -> int:
@@ -219,8 +201,7 @@ def main() -> None:
         path = Path(args.json)
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[args.part] = result
-        path.write_text(json.dumps(data, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {harness.write_json(path, data)}")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,8 @@ def _finished(run, steps: int) -> list[dict]:
     return []
 
 
-def _evals(metrics: list[dict]) -> list[dict]:
-    return [r for r in metrics if "eval/accuracy" in r]
-
-
 def _at(metrics: list[dict], step: int) -> float | None:
-    return next((r["eval/accuracy"] for r in _evals(metrics) if r.get("step") == step), None)
+    return next((r["eval/accuracy"] for r in harness.eval_rows(metrics) if r.get("step") == step), None)
 
 
 def _run(arm: str, overrides: list[str], seed: int, steps: int = 64) -> list[dict]:
@@ -76,7 +72,7 @@ def menu(a) -> list[dict]:
     arms = dict(ARMS, entropy=[f"loss.entropy_coef={a.entropy_coef}"])
     for _, arm in harness.interleave(list(arms), 1):
         metrics = _run(arm, arms[arm], a.seed)
-        evals, steps = _evals(metrics), [r for r in metrics if "step_time" in r]
+        evals, steps = harness.eval_rows(metrics), [r for r in metrics if "step_time" in r]
         rows.append(
             {
                 "mode": "menu",
@@ -99,7 +95,7 @@ def menu(a) -> list[dict]:
 def distill(a) -> list[dict]:
     grpo_run = OUT / f"grpo-s{a.seed}"
     grpo = harness.rows(grpo_run)
-    if not _evals(grpo):
+    if not harness.eval_rows(grpo):
         raise SystemExit(f"run `menu` first: the grpo arm ({grpo_run}) is the teacher and the baseline")
     teacher = max((grpo_run / "checkpoints").glob("step-*"))
     overrides = [
@@ -119,7 +115,7 @@ def distill(a) -> list[dict]:
                 "mode": "distill",
                 "completions": 32 * step,
                 "teacher": str(teacher.relative_to(harness.ROOT)),
-                "teacher_accuracy": _evals(grpo)[-1]["eval/accuracy"],
+                "teacher_accuracy": harness.eval_rows(grpo)[-1]["eval/accuracy"],
                 "student_accuracy": _at(student, step),
                 "grpo_accuracy": _at(grpo, step),
                 "distill_step_time": harness.median(r["step_time"] for r in steps["distill"]),

@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import harness
-from bench_qwen_shape import SHAPES, build, model_config, run  # one source for the shapes
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_qwen_shape import SHAPES, run, shape_folder  # one source for the shapes
 
 # Full fine-tuning of the 1.5B shape (fp32 weights, gradients, AdamW, a reference: ~30 GB) does not
 # fit a 24 GiB machine; LoRA is what grpo-check-env recommends there, and what is measured.
@@ -92,14 +89,14 @@ def reestimate(path: Path) -> None:
     """The estimate of every row of a JSON this script wrote, recomputed (measured peaks kept)."""
     data = json.loads(path.read_text())
     for r in data["rows"]:
-        folder = _shape_folder(ROOT / ".bench", r["model"], weights=False)
+        folder = shape_folder(harness.ROOT / ".bench", r["model"], weights=False)
         gc = r.get("gradient_checkpointing", False)
         extra = overrides(r["precision"], r["completion_tokens"], r["chunk"], r["method"], gc)
         est = estimate(folder, extra, r["method"], r.get("steps", 2))
         r["estimate_gib"] = est["total"] / 2**30
         r["estimate_parts_gib"] = _parts_gib(est)
         r["ratio"] = r["estimate_gib"] / r["measured_gib"]
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    harness.write_json(path, data)
     _table(data["rows"])
     print(f"re-estimated {path}")
 
@@ -112,7 +109,7 @@ def largest(budget_gib: float, models, precisions, chunks) -> list[dict]:
     """The longest completion length (8 completions of one prompt) whose estimate fits budget_gib."""
     rows = []
     for model in models:
-        folder, method = _shape_folder(ROOT / ".bench", model, weights=False), METHOD[model]
+        folder, method = shape_folder(harness.ROOT / ".bench", model, weights=False), METHOD[model]
         for precision in precisions:
             for chunk in chunks:
                 lo, hi = 0, 1 << 16  # lo fits (or is 0), hi does not
@@ -126,19 +123,6 @@ def largest(budget_gib: float, models, precisions, chunks) -> list[dict]:
                 rows.append(row | dict(budget_gib=budget_gib, largest_completion_tokens=lo))
                 print(f"{model} {method} {precision} chunk {chunk}: within {budget_gib:g} GiB up to 8 x {lo}")
     return rows
-
-
-def _shape_folder(root: Path, model: str, *, weights: bool = True) -> Path:
-    """The random-init model of that shape under root, built on first use; weights=False: its
-    config.json alone (all the estimate reads)."""
-    folder = root / f"{model}-shape"
-    if not weights and not (folder / "config.json").is_file():
-        folder = root / f"{model}-config"
-        model_config(model).save_pretrained(folder)
-    if not (folder / "config.json").is_file():
-        print(f"[bench] building a random-init {model}-shaped model in {folder}", flush=True)
-        build(folder, model)
-    return folder
 
 
 def _table(rows) -> None:
@@ -165,7 +149,7 @@ def main() -> None:
         "--chunks", nargs="+", default=["auto"], help="logprob_chunk_size values (auto, 0, N)"
     )
     parser.add_argument(
-        "--shapes-dir", default=str(ROOT / ".bench"), help="where the models are built (once)"
+        "--shapes-dir", default=str(harness.ROOT / ".bench"), help="where the models are built (once)"
     )
     parser.add_argument(
         "--steps",
@@ -189,7 +173,7 @@ def main() -> None:
         "--largest", type=float, metavar="GIB", help="longest completion within GIB; run nothing"
     )
     args = parser.parse_args()
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    harness.go_offline()  # (the estimates read model folders in this process)
     if args.reestimate:
         return reestimate(Path(args.reestimate))
     if args.largest:
@@ -199,7 +183,7 @@ def main() -> None:
         return print(f"wrote {harness.write_result('memory_estimate', rows, notes=notes, path=path)}")
     rows, gc = [], args.gradient_checkpointing
     for model in args.models:
-        folder = _shape_folder(Path(args.shapes_dir), model)
+        folder = shape_folder(Path(args.shapes_dir), model)
         for length in args.lengths:
             for precision in args.precisions:
                 for chunk in args.chunks:

@@ -22,15 +22,12 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parent.parent
 QWEN_05B = dict(
     vocab_size=151_936,
     hidden_size=896,
@@ -96,13 +93,21 @@ def build(folder: Path, shape: str = "qwen0.5b") -> Path:
     return folder
 
 
+def shape_folder(root: Path, shape: str, *, weights: bool = True) -> Path:
+    """The random-init model of that shape (SHAPES) under root, built on first use; weights=False:
+    its config.json alone (all a memory estimate reads)."""
+    folder = root / f"{shape}-shape"
+    if not weights and not (folder / "config.json").is_file():
+        folder = root / f"{shape}-config"
+        model_config(shape).save_pretrained(folder)
+    if not (folder / "config.json").is_file():
+        print(f"[bench] building a random-init {shape}-shaped model in {folder}", flush=True)
+        build(folder, shape)
+    return folder
+
+
 def run(folder: Path, beta: float, steps: int, out: Path, extra: list[str] = ()) -> dict:
     """grpo-train on the folder in a fresh process; its metrics and peak RSS."""
-    code = (
-        "import resource, sys; from grpo_cli.cli.train import main; sys.argv[0] = 'grpo-train'\n"
-        "try:\n    main()\nfinally:\n"
-        "    print('@@RSS@@', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
-    )
     args = [
         f"model.name_or_path={folder}",
         "data.eval_size=0",
@@ -116,17 +121,9 @@ def run(folder: Path, beta: float, steps: int, out: Path, extra: list[str] = ())
         "reward.length.unit=chars",
         f"loss.beta={beta}",
         "optimizer.learning_rate=1e-6",
-        f"hydra.run.dir={out}",
         *extra,
     ]
-    start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - start
-    if res.returncode != 0:
-        raise SystemExit(
-            f"grpo-train failed (exit {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-        )
-    rss_kb = int(next(line.split()[1] for line in res.stdout.splitlines() if line.startswith("@@RSS@@")))
+    done = harness.train(args, out, name="grpo-train")
     rows = [r for r in harness.rows(out) if "reward" in r]
     timed = rows[1:] or rows  # the first step warms up (allocations, kernels)
     med = {
@@ -142,9 +139,9 @@ def run(folder: Path, beta: float, steps: int, out: Path, extra: list[str] = ())
         "median_step_s": med["step_time"],
         "phases_s": {k.split("/")[1]: v for k, v in med.items() if k.startswith("time/")},
         "completion_tokens_per_s": statistics.median(r["tokens_per_second"] for r in timed),
-        "peak_rss_gb": rss_kb / 2**20,
-        "wall_s": wall,
-        "self_check": "self-check ok" in res.stdout,
+        "peak_rss_gb": done.peak_rss_kib / 2**20,
+        "wall_s": done.wall_s,
+        "self_check": "self-check ok" in done.stdout,
         "updates_skipped": sum(r["skipped_updates"] for r in rows),
     }
 

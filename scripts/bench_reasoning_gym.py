@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -98,11 +97,7 @@ def grpo_eval(args: list[str], output: Path) -> dict:
     if output.is_file():
         return json.loads(output.read_text())
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "grpo_cli.cli.eval", *args, "--output", str(output)]
-    done = subprocess.run(command, cwd=harness.ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
-        raise SystemExit(f"grpo-eval {' '.join(args)} failed ({done.returncode}):\n{tail}")
+    harness.run(harness.program("grpo-eval", *args, "--output", output), name=f"grpo-eval {' '.join(args)}")
     return json.loads(output.read_text())
 
 
@@ -147,10 +142,6 @@ def scan(a) -> list[dict]:
     return rows
 
 
-def _evals(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if "eval/accuracy" in r]
-
-
 def train(a) -> list[dict]:
     if len(a.tasks) != 3:
         raise SystemExit(f"train takes three task names, got {len(a.tasks)}: {' '.join(a.tasks)}")
@@ -167,10 +158,10 @@ def train(a) -> list[dict]:
     for arm, tasks in arms.items():
         run = OUT / "train" / f"{arm}{'-easy' if a.easy else ''}-s{a.seed}"
         metrics = harness.rows(run)
-        if len(_evals(metrics)) < 2:  # not run, or stopped before its last evaluation: run afresh
+        if len(harness.eval_rows(metrics)) < 2:  # not run, or stopped before its last evaluation: run afresh
             shutil.rmtree(run, ignore_errors=True)
             metrics = harness.launch([*base, tasks_override(tasks, a.easy)], run)
-        evals, steps = _evals(metrics), [r for r in metrics if "step_time" in r]
+        evals, steps = harness.eval_rows(metrics), [r for r in metrics if "step_time" in r]
         first, last = evals[0], evals[-1]
         row = {
             "mode": "train",

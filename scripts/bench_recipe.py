@@ -23,19 +23,14 @@ last budget; and a plot of mean accuracy against sampled completions.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parent.parent
 OPERATIONS = ("plus", "minus", "minus_negative", "times")  # data.eval_group_by=kind
 
 
@@ -61,31 +56,26 @@ def completions(row: dict, group_size: int) -> int:
 def train(run: Path, overrides: list[str], seed: int, args, threads: int) -> float:
     """One grpo-train run; stopped (SIGTERM: it saves and exits) at the first evaluation whose
     cumulative sampled completions reach the last budget."""
-    cmd = [
-        sys.executable, "-m", "grpo_cli.cli.train",
+    overrides = [
         *overrides,
         f"trainer.seed={seed}",
         f"trainer.max_steps={args.steps}",
         f"trainer.eval_steps={args.eval_steps}",
         f"trainer.save_steps={args.save_steps or args.steps}",
         "trainer.keep_last=2",
-        f"hydra.run.dir={run}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    t0 = time.perf_counter()
+    ]
+
+    def past_budget() -> bool:
+        if not _past_budget(run, args.budgets[-1]):
+            return False
+        (run / "STOPPED_AT_BUDGET").write_text("")
+        return True
+
     log_path = run.parent / f"{run.name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        while proc.poll() is None:
-            time.sleep(5)
-            if _past_budget(run, args.budgets[-1]):
-                (run / "STOPPED_AT_BUDGET").write_text("")
-                proc.send_signal(signal.SIGTERM)
-                proc.wait()
-        code = proc.returncode
-    if code not in (0, 143):
-        print(f"{run.name}: grpo-train exited {code}; see {log_path}", file=sys.stderr)
-    return time.perf_counter() - t0
+    done = harness.train(overrides, run, threads=threads, log=log_path, stop=past_budget, check=False)
+    if done.returncode not in (0, 143):
+        print(f"{run.name}: grpo-train exited {done.returncode}; see {log_path}", file=sys.stderr)
+    return done.wall_s
 
 
 def _past_budget(run: Path, budget: int) -> bool:
@@ -272,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{run.name}: {seconds / 60:.1f} min", flush=True)
     result = report(configs, args.seeds, args)
     print_table(result)
-    (args.out / "recipe.json").write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_json(args.out / "recipe.json", result, indent=1)
     plot(result, args.out / "recipe.png")
     print(f"wrote {args.out / 'recipe.json'} and {args.out / 'recipe.png'}")
     return 0

@@ -17,30 +17,13 @@ and writes the result, one row per run (harness.write_result; --out elsewhere).
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import harness
 
 ARMS = ("plain", "model")
-
-
-def child(argv: list[str]) -> None:
-    """grpo-train in this process, then its peak RSS (bytes) on the last line."""
-    from grpo_cli.cli.train import main
-
-    sys.argv = ["grpo-train", *argv]
-    try:
-        main()
-    except SystemExit as exc:
-        if exc.code:
-            raise
-    print(f"PEAK_RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")
 
 
 def run(arm: str, args, folder: Path) -> dict:
@@ -50,7 +33,6 @@ def run(arm: str, args, folder: Path) -> dict:
         "data.eval_size=0",
         "trainer.save_steps=1000",
         "trainer.quiet=true",
-        f"hydra.run.dir={folder}",
     ]
     if arm == "model":
         overrides += [
@@ -58,13 +40,8 @@ def run(arm: str, args, folder: Path) -> dict:
             f"reward.model.name_or_path={args.reward_model}",
             "reward.model.weight=0.0",
         ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run(
-        [sys.executable, __file__, "--child", *overrides], capture_output=True, text=True, env=env
-    )
-    if res.returncode:
-        raise SystemExit(f"{arm} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
-    peak = int(res.stdout.strip().splitlines()[-1].split()[1])
+    done = harness.train(overrides, folder, name=arm, cwd=Path.cwd())  # (where a relative DIR is)
+    peak = done.peak_rss_kib * 1024  # (ru_maxrss: KiB)
     rows = [r for r in harness.rows(folder) if "reward" in r]
     out = {
         "peak_rss_bytes": peak,
@@ -80,9 +57,6 @@ def run(arm: str, args, folder: Path) -> dict:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--child"]:
-        child(sys.argv[2:])
-        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reward-model", required=True)
     p.add_argument("--steps", type=int, default=4)

@@ -33,15 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[1]
 K = 10  # rank categories: 1..K and beyond
 
 
@@ -185,27 +180,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.case:
         return worker(args)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    if args.emulate_avx2:
-        env |= {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    # (the harness's environment is offline already: HF_HUB_OFFLINE, HF_DATASETS_OFFLINE)
+    env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"} if args.emulate_avx2 else None
     rows = []
     for case in args.cases:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--case",
-            case,
-            "--prompts",
-            str(args.prompts),
-            "--seeds",
-            *map(str, args.seeds),
-        ]
-        if args.emulate_avx2:
-            cmd.append("--emulate-avx2")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"{case}: the worker failed:\n{proc.stderr[-3000:]}")
-        rows += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        cmd = ["--case", case, "--prompts", args.prompts, "--seeds", *args.seeds]
+        cmd += ["--emulate-avx2"] if args.emulate_avx2 else []
+        done = harness.run(harness.script(__file__, *cmd), name=f"{case}: the worker", env=env)
+        rows += done.json_lines()
     head = f"{'case':<16}{'seed':>5}{'pass@1':>8}{'reward':>8}{'length':>8}{'p trainer':>11}{'p first':>9}{'p own':>8}"
     print(head)
     for r in rows:

@@ -45,7 +45,7 @@ def resume(run: Path, checkpoint: Path, out: Path, to_step: int, skip: str, thre
         f"trainer.max_steps={to_step}", "trainer.eval_steps=0", f"trainer.save_steps={to_step}",
         f"trainer.skip_zero_std={skip}", f"trainer.resume={checkpoint}",
     ]  # fmt: skip
-    rows = harness.launch(overrides, out, env={"OMP_NUM_THREADS": str(threads)})
+    rows = harness.launch(overrides, out, threads=threads)
     return [r for r in rows if "step_time" in r]
 
 

@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -63,26 +62,21 @@ COMMON = [
 ]
 
 
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def child(run_dir: Path, overrides: list[str]) -> None:
-    """grpo-train in this process, with the learner's reference and update phases wrapped to
-    record the process's peak resident set during each (KiB), one JSON line per phase."""
+def child(argv: list[str]) -> None:
+    """grpo-train in this process (argv: its arguments, hydra.run.dir last), with the learner's
+    reference and update phases wrapped to record the process's peak resident set during each
+    (KiB), one JSON line per phase in the run folder's phase_memory.jsonl."""
     from grpo_cli import roles
     from grpo_cli.cli import train
 
+    run_dir = Path(argv[-1].split("=", 1)[1])
     log = open(run_dir / "phase_memory.jsonl", "a")
 
     def measured(name, fn):
         def wrapper(self, *args, **kwargs):
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            harness.reset_peak()  # VmHWM := VmRSS
             out = fn(self, *args, **kwargs)
-            log.write(json.dumps({"phase": name, "peak_kib": _kib("VmHWM")}) + "\n")
+            log.write(json.dumps({"phase": name, "peak_kib": harness.status_kib("VmHWM")}) + "\n")
             log.flush()
             return out
 
@@ -90,14 +84,13 @@ def child(run_dir: Path, overrides: list[str]) -> None:
 
     roles.Learner.update = measured("policy", roles.Learner.update)
     roles.Learner.reference = measured("reference", roles.Learner.reference)
-    sys.argv = ["grpo-train", *overrides, f"hydra.run.dir={run_dir}"]
+    sys.argv = ["grpo-train", *argv]
     train.main()
 
 
 def run_arm(case: str, arm: str, pair: int, a) -> dict:
     run_dir = OUT / f"{case}-{arm}-{pair}"
-    if run_dir.exists():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     budget = "null" if arm == "today" else str(a.budget)
     overrides = [
@@ -106,17 +99,7 @@ def run_arm(case: str, arm: str, pair: int, a) -> dict:
         f"trainer.max_steps={a.steps}",
         f"trainer.micro_batch_tokens={budget}",
     ]
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", str(run_dir), *overrides],
-        cwd=harness.ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ},
-    )
-    if done.returncode != 0:
-        raise SystemExit(
-            f"{case}/{arm} failed:\n" + "\n".join((done.stdout + done.stderr).splitlines()[-15:])
-        )
+    harness.train(overrides, run_dir, entry=harness.script(__file__, "--child"), name=f"{case}/{arm}")
     steps = harness.step_rows(run_dir)[1:]  # (step 1: the self-check scores every row)
     phases = [json.loads(line) for line in (run_dir / "phase_memory.jsonl").read_text().splitlines()]
     policy_mem = [p["peak_kib"] for p in phases if p["phase"] == "policy"][1:]
@@ -138,9 +121,10 @@ def run_arm(case: str, arm: str, pair: int, a) -> dict:
 
 def fits(gib: float, budget: int) -> list[dict]:
     """The longest completion within `gib` GiB by the estimate, without and with the budget."""
-    from bench_memory_estimate import _shape_folder, estimate
+    from bench_memory_estimate import estimate
+    from bench_qwen_shape import shape_folder
 
-    folder = _shape_folder(harness.ROOT / ".bench", "qwen0.5b", weights=False)
+    folder = shape_folder(harness.ROOT / ".bench", "qwen0.5b", weights=False)
     rows = []
     for arm, split in (
         ("today", "trainer.gradient_accumulation_steps=1"),
@@ -183,8 +167,8 @@ def confirm(rows: list[dict], budget: int) -> None:
     for), one step (a second would take ~6 more minutes on 2 cores); its peak resident set against
     the estimate of a one-step run (bench_memory_estimate.estimate: AdamW's state or the
     activations, not both). Writes scripts/results/token_budget_confirm.json."""
-    from bench_memory_estimate import _shape_folder, estimate
-    from bench_qwen_shape import run
+    from bench_memory_estimate import estimate
+    from bench_qwen_shape import run, shape_folder
 
     row = next(r for r in rows if r["arm"] == "budget")
     extra = [
@@ -194,8 +178,8 @@ def confirm(rows: list[dict], budget: int) -> None:
         "trainer.precision=fp32",
         f"trainer.micro_batch_tokens={budget}",
     ]
-    one_step = estimate(_shape_folder(harness.ROOT / ".bench", "qwen0.5b", weights=False), extra, "full", 1)
-    measured = run(_shape_folder(harness.ROOT / ".bench", "qwen0.5b"), 0.04, 1, OUT / "confirm", extra)
+    one_step = estimate(shape_folder(harness.ROOT / ".bench", "qwen0.5b", weights=False), extra, "full", 1)
+    measured = run(shape_folder(harness.ROOT / ".bench", "qwen0.5b"), 0.04, 1, OUT / "confirm", extra)
     out = row | {
         "one_step_estimate_gib": one_step["total"] / 2**30,
         "measured_gib": measured["peak_rss_gb"],
@@ -210,7 +194,7 @@ def confirm(rows: list[dict], budget: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        child(Path(argv[1]), argv[2:])
+        child(argv[1:])
         return 0
     if argv and argv[0] == "--fits":
         budget = int(argv[argv.index("--budget") + 1]) if "--budget" in argv else 1024

@@ -26,12 +26,9 @@ TRL's vLLM mode is not run: TRL 1.16 (the newest on PyPI) requires vllm<=0.31.0,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +42,6 @@ SAMPLERS = ("builtin", "vllm")
 def run(sampler: str, prompts: int, tokens: int, steps: int, work: Path, seed: int) -> dict:
     run_dir = work / f"{sampler}-{prompts}x{tokens}-{seed}-{time.monotonic_ns()}"
     args = [
-        str(Path(sys.executable).parent / "grpo-train"),
         f"sampler={'vllm' if sampler == 'vllm' else 'default'}",
         "trainer.precision=bf16",
         f"trainer.prompts_per_step={prompts}",
@@ -60,18 +56,8 @@ def run(sampler: str, prompts: int, tokens: int, steps: int, work: Path, seed: i
         "trainer.log_completions=0",
         f"trainer.seed={seed}",
         "trainer.quiet=true",
-        f"hydra.run.dir={run_dir}",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    tick = time.perf_counter()
-    proc = subprocess.Popen(
-        args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    output = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - tick
-    if status != 0:
-        raise SystemExit(f"{sampler} {prompts}x{tokens}: grpo-train failed:\n{output[-3000:]}")
+    done = harness.train(args, run_dir, cwd=work, name=f"{sampler} {prompts}x{tokens}: grpo-train")
     rows = [r for r in harness.rows(run_dir) if "reward" in r][1:]  # the first step is warm-up
     lengths = {r["completions/min_length"] for r in rows} | {r["completions/max_length"] for r in rows}
     assert lengths == {float(tokens)}, f"{sampler}: completions are not all {tokens} tokens: {lengths}"
@@ -80,8 +66,8 @@ def run(sampler: str, prompts: int, tokens: int, steps: int, work: Path, seed: i
         "step": [r["step_time"] for r in rows],
         "sync": [r.get("time/sync", 0.0) for r in rows],
         "logp_diff_mean": [r["sampler/logp_diff_mean"] for r in rows],
-        "peak_rss_mib": usage.ru_maxrss / 1024,
-        "wall": wall,
+        "peak_rss_mib": done.peak_rss_kib / 1024,
+        "wall": done.wall_s,
     }
 
 
@@ -153,8 +139,7 @@ def main() -> None:
         out["versions"] = {"torch": torch.__version__, "vllm": vllm.__version__}
     except ImportError:
         pass
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    harness.write_json(args.json, out)
     print(f"\nwrote {args.json}")
 
 

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"builtin": [], "vllm": ["sampler=vllm"], "vllm-noise": []}
 
 
@@ -78,19 +75,12 @@ def run_one(out: Path, arm: str, seed: int, steps: int, eval_steps: int) -> None
         "data.wide_eval_max_operand=0",
         f"trainer.seed={seed}",
         f"trainer.save_steps={10 * steps}",
-        f"hydra.run.dir={run}",
     ]
-    cmd = [sys.executable, __file__, "--train-with-vllm-noise", *overrides] if arm == "vllm-noise" else None
-    cmd = cmd or [str(Path(sys.executable).parent / "grpo-train"), *overrides]
-    print(f"{arm} seed {seed}: {' '.join(overrides)}", flush=True)
-    with open(out / f"{arm}-s{seed}.log", "w") as log:
-        proc = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-        )
-    if proc.returncode:
-        raise SystemExit(
-            f"{arm} seed {seed} failed (exit {proc.returncode}); see {out / f'{arm}-s{seed}.log'}"
-        )
+    entry = harness.script(__file__, "--train-with-vllm-noise") if arm == "vllm-noise" else None
+    print(f"{arm} seed {seed}: {' '.join(overrides)} hydra.run.dir={run}", flush=True)
+    log = out / f"{arm}-s{seed}.log"
+    # (cwd: this one, where a relative --out is)
+    harness.train(overrides, run, entry=entry, log=log, cwd=Path.cwd(), name=f"{arm} seed {seed}")
     shutil.rmtree(run / "checkpoints", ignore_errors=True)  # ~0.5 GB each, not needed
 
 
@@ -158,7 +148,7 @@ def main() -> None:
                 run_one(args.out, arm, seed, args.steps, args.eval_steps)
     result = report(args.out, args.arms, args.seeds)
     path = args.json or args.out / "report.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_json(path, result, indent=1)
     print(f"wrote {path}")
 
 

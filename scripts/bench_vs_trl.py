@@ -42,7 +42,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,6 @@ from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parent.parent
 MARK = "@@BENCH@@"
 G, LR = 8, 1e-6
 # name -> (worker, settings). "best" ratios compare with the faster of a trainer's variants.
@@ -394,23 +392,29 @@ def worker_floor(spec: dict) -> None:
 # ----------------------------------------------------------------------------- orchestration
 
 
+# Every worker's own additions to the harness's environment: tokenizers' fork warnings and the
+# libraries' deprecation notes kept out of the output.
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+
+
 def trl_python(venv: Path) -> Path:
     """TRL's own virtual environment: torch (the same pinned CPU or CUDA build as ours), trl and
     the newest transformers from PyPI; nothing shared with grpo-cli's environment."""
+    venv = venv.absolute()  # (the harness starts its processes in other folders)
     python = venv / "bin" / "python"
     check = "import trl, transformers, torch, psutil, rich"
-    if python.exists() and subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0:
+    if python.exists() and harness.run([python, "-c", check], check=False).returncode == 0:
         return python
     import torch
 
     print(f"[bench] creating TRL's environment in {venv} (first use only)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    harness.run([sys.executable, "-m", "venv", venv], name="python -m venv")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     for requirement in (
         [f"torch=={torch.__version__.split('+')[0]}"],
         ["trl", "transformers", "psutil", "rich"],
     ):
-        result = subprocess.run(pip + requirement, capture_output=True, text=True)
+        result = harness.run(pip + requirement, check=False)
         if result.returncode != 0:
             sys.exit(f"[bench] could not install {requirement} for TRL: {result.stderr.strip()[-800:]}")
     return python
@@ -421,28 +425,23 @@ def versions(python: Path) -> dict:
         "import json, torch, transformers, trl; "
         "print(json.dumps({m.__name__: m.__version__ for m in (torch, transformers, trl)}))"
     )
-    return json.loads(
-        subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout
-    )
+    return json.loads(harness.run([python, "-c", code], name="versions").stdout)
 
 
 def run_worker(kind: str, python: Path, spec: dict, timeout: float) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [str(python), str(Path(__file__).resolve()), "--worker", kind, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
+    done = harness.run(
+        harness.script(__file__, "--worker", kind, json.dumps(spec), python=python),
+        name=f"[bench] the {kind} worker",
         cwd=spec["tmp"],
+        env=WORKER_ENV,
+        timeout_s=timeout,
+        check=False,
     )
-    found = [line[len(MARK) :] for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not found:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
-        raise SystemExit(f"[bench] the {kind} worker failed (exit {proc.returncode}):\n" + "\n".join(tail))
-    result = json.loads(found[-1])
-    result["wall_s"] = time.perf_counter() - t0
+    found = done.json_lines(MARK)
+    if done.returncode != 0 or not found:
+        raise SystemExit(f"[bench] the {kind} worker failed (exit {done.returncode}):\n" + done.tail(25))
+    result = found[-1]
+    result["wall_s"] = done.wall_s
     return result
 
 
@@ -580,16 +579,6 @@ def goals(results: dict) -> list[str]:
     return lines
 
 
-def build_shape(folder: Path, shape: str) -> Path:
-    """A random-init model of a real model's shape (scripts/bench_qwen_shape.py's SHAPES), built once."""
-    from bench_qwen_shape import build
-
-    if not (folder / "config.json").is_file():
-        print(f"[bench] building a random-init {shape}-shaped model in {folder}", flush=True)
-        build(folder, shape)
-    return folder
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -622,12 +611,12 @@ def main() -> None:
     ap.add_argument("--json", default=str(harness.RESULTS / "vs_trl.json"), help="where to write the results")
     ap.add_argument(
         "--trl-venv",
-        default=str(ROOT / ".bench" / "trl-own"),
+        default=str(harness.ROOT / ".bench" / "trl-own"),
         help="TRL's own environment, made on first use; 'here': this interpreter, which imports trl",
     )
     ap.add_argument(
         "--shapes-dir",
-        default=str(ROOT / ".bench"),
+        default=str(harness.ROOT / ".bench"),
         help="where the random-init shaped models are built (once)",
     )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
@@ -650,7 +639,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("[bench] --device cuda, but torch sees no CUDA GPU here (grpo-check-env says why).")
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    harness.go_offline()  # (the model's source is looked up in this process)
     wanted = (a.models or ("smollm2,qwen-shape" if cuda else "smollm2")).split(",")
     unknown = [m for m in wanted if m not in ("smollm2", "smollm2-shape", "qwen-shape")]
     if unknown:
@@ -666,12 +655,14 @@ def main() -> None:
             log=lambda msg: print(f"[bench] {msg}", flush=True),
         )
         models["smollm2"] = (source.path, source.description)
+    from bench_qwen_shape import shape_folder  # (random-init models of real shapes)
+
     for key, shape, what in (
         ("smollm2-shape", "smollm2-135m", "random-init SmolLM2-135M shape (135M parameters)"),
         ("qwen-shape", "qwen0.5b", "random-init Qwen2.5-0.5B shape (494M parameters)"),
     ):
         if key in wanted:
-            models[key] = (str(build_shape(Path(a.shapes_dir) / f"{shape}-shape", shape)), what)
+            models[key] = (str(shape_folder(Path(a.shapes_dir), shape)), what)
     trl = None
     if any(VARIANTS[v][0] == "trl" for v in variants):
         # "here": TRL importable by this very interpreter (the lent GPU machine: carried wheels).
@@ -751,8 +742,7 @@ def main() -> None:
     results["total_s"] = time.perf_counter() - started
     results["goals"] = [] if cuda else goals(results)
     print_table(results)
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+    harness.write_json(a.json, results)
     print(f"[bench] wrote {a.json} ({results['total_s'] / 60:.1f} min)")
 
 
