@@ -90,6 +90,15 @@ def test_gsm8k_holds_its_recipe(compose):
     assert (fmt.value, fmt.max_chars, fmt.pattern_mode) == (0.2, None, "search")
 
 
+@pytest.mark.parametrize("adapter, rate", [("none", 1e-6), ("lora", 2e-4), ("qlora", 2e-4)])
+def test_gsm8k_trains_lora_at_the_adapters_learning_rate(compose, adapter, rate):
+    """The experiment's 1e-6 is for full fine-tuning: adapter=lora (which sets 2e-4, docs/lora.md)
+    still sets its own rate under experiment=gsm8k, and a command-line rate wins over both."""
+    assert compose(["experiment=gsm8k", f"adapter={adapter}"]).optimizer.learning_rate == rate
+    given = compose(["experiment=gsm8k", f"adapter={adapter}", "optimizer.learning_rate=3e-5"])
+    assert given.optimizer.learning_rate == 3e-5
+
+
 def test_the_command_line_wins_over_an_experiment(compose):
     cfg = compose(
         [
