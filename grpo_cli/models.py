@@ -33,6 +33,47 @@ TESTED_MODEL_TYPES = (
 )
 
 
+# Model types whose layers carry a recurrent or convolution state beside (or instead of) attention:
+# Gated DeltaNet (Qwen3.5, Qwen3-Next), LFM2's short convolutions, Mamba and its hybrids. The
+# built-in sampler's cache is attention's (a DynamicCache repeated across a group and fed pads after
+# a row ends), not theirs: until it uses the cache such a model builds for itself (issue #61), the
+# built-in sampler refuses them in one paragraph (recurrent_model_problem) rather than failing
+# inside transformers' cache code.
+RECURRENT_MODEL_TYPES = (
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "lfm2",
+    "lfm2_moe",
+    "granitemoehybrid",
+    "falcon_h1",
+    "bamba",
+    "jamba",
+    "nemotron_h",
+    "zamba",
+    "zamba2",
+    "mamba",
+    "mamba2",
+    "falcon_mamba",
+)
+
+
+def recurrent_model_problem(model_type: str | None, name: str) -> str | None:
+    """The built-in sampler's refusal of a model with recurrent or convolution layers (None for
+    any other model type), one paragraph naming the model and what to do instead."""
+    if model_type not in RECURRENT_MODEL_TYPES:
+        return None
+    return (
+        f"model.name_or_path={name!r} is a {model_type!r} model, whose layers keep a recurrent or "
+        "convolution state (linear attention, Mamba or short convolutions) beside attention; the "
+        "built-in sampler builds an attention cache only and cannot generate with it yet (hybrid "
+        "models are planned: issue #61). Train an attention-only model (the presets smollm2-135m, "
+        "qwen0.5b, qwen1.5b, or a Llama, Qwen2/Qwen3, Mistral, Gemma, Phi-3 or OLMo 2 checkpoint); "
+        "sampler=vllm builds these models' caches itself, but grpo-cli has not tested it on them."
+    )
+
+
 def tested_architecture(model) -> bool:
     """Whether the model's type is in the tested matrix: then the fast paths (the shared-prompt
     KV cache in the training forward, the CPU decode's W @ x^T layers) are used; otherwise the

@@ -114,6 +114,34 @@ def preset_source(name: str) -> str | None:
     return str(OmegaConf.load(conf_dir() / "model" / f"{name}.yaml").name_or_path)
 
 
+def model_type_offline(name_or_path: str) -> str | None:
+    """The model type of a preset, local folder, shipped config or cached hub id, read cheaply
+    (config.json alone, nothing built or downloaded); None where that does not tell (a built-in, a
+    hub id not cached, an unreadable file): the caller then finds out when the model loads."""
+    import json
+
+    source = preset_source(name_or_path) or str(name_or_path)
+    if source.startswith("builtin:"):
+        return None
+    if source in KNOWN_CONFIGS:
+        return str(KNOWN_CONFIGS[source]["model_type"])
+    path = Path(source).expanduser() / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "config.json")
+        except Exception:  # noqa: BLE001 - not a hub id: the load says what is wrong
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        return json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def resolve_model_config(name_or_path: str):
     """The transformers config of a preset name, builtin:NAME, local folder or hub id, offline.
 

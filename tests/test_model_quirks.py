@@ -328,3 +328,46 @@ def test_model_without_position_ids_or_logits_to_keep_keywords():
     with torch.no_grad():
         logps = token_logprobs(model, *r.inputs(), temperature=1.0, num_generations=r.num_generations)
     torch.testing.assert_close(logps, r.sampler_logps, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------ (C) models with recurrent or convolution layers
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_text", "lfm2"])
+def test_a_hybrid_model_is_refused_in_one_paragraph_before_it_loads(compose, tmp_path, model_type):
+    """A model whose layers keep a recurrent or convolution state (Qwen3.5's Gated DeltaNet, LFM2's
+    short convolutions) crashed inside transformers' cache code at the first prefill (a raw
+    IndexError); until the built-in sampler runs them (issue #61), config validation refuses one
+    whose config.json is at hand, naming it and what to do instead."""
+    from grpo_cli.config import validate
+
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    problems = validate(compose([f"model.name_or_path={tmp_path}"]))
+    assert len(problems) == 1, problems
+    assert f"{model_type!r} model" in problems[0] and "built-in sampler" in problems[0]
+    assert "model.name_or_path=" in problems[0] and "sampler=vllm" in problems[0]
+    with_vllm = validate(compose([f"model.name_or_path={tmp_path}", "sampler=vllm"]))
+    assert not any(model_type in p for p in with_vllm), with_vllm  # (vLLM builds its own caches)
+
+
+def test_a_hybrid_model_the_check_could_not_read_is_refused_when_the_sampler_is_built():
+    """The backstop, where no config.json was at hand before loading (a hub id fetched at load): the
+    built-in sampler refuses a loaded LFM2 model (conv and attention layers) in one paragraph."""
+    import transformers as tf
+
+    from grpo_cli.errors import UserError
+    from grpo_cli.samplers import Context
+    from grpo_cli.samplers.builtin import build
+
+    config = tf.Lfm2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+    )
+    model = tf.Lfm2ForCausalLM(config)
+    with pytest.raises(UserError, match="'lfm2' model.*built-in sampler"):
+        build(None, Context(policy=model, eos_ids=[2], pad_id=0, precision=None))
