@@ -1,22 +1,35 @@
-"""The one plug-in shape: sampler backends, environments' building blocks, loss variants,
-trackers and data sources each declare themselves the same way, and rewards' `Reward` has the
-same fields (name, options, check, build, close) with its facts spelled out.
+"""The one plug-in shape: sampler backends, data sources, trackers, loss variants and environment
+styles each declare themselves the same way, and rewards' `Reward` has the same fields (name,
+options, check, build) with its facts spelled out.
 
-A plug-in is a module that declares ``PLUGIN = Plugin(...)``. The built-ins are the modules of
-the kind's package whose names do not start with an underscore, each named by its file; a user's
-own is chosen by its import path wherever the kind's name goes::
+A plug-in is a module that declares ``PLUGIN = Plugin(...)``. One rule finds them, built-in or
+not: the built-ins are the modules of the kind's package whose names do not start with an
+underscore, each named by its file (the YAML name), and a user's own is chosen by its import path
+wherever the kind's name goes::
 
     sampler.backend=my_pkg.my_sampler           data.source=my_pkg.my_data
     loss.loss_type=my_pkg.my_loss               trainer.report_to=[jsonl,my_pkg.my_tracker]
+    environment.style=my_pkg.my_style
 
-so a new one is one module and one preset (conf/<group>/<name>.yaml, or a folder of the user's
-on Hydra's search path), with no edit anywhere else (tests/test_plugins.py counts it). Its own
-options, typed by its `options` dataclass, come from the section's `options` node
-(`sampler.options.beam=4`); the built-ins keep the flat keys users already have.
+The packages: grpo_cli/samplers/, grpo_cli/data/, grpo_cli/trackers/, grpo_cli/loss/variants/,
+grpo_cli/environments/styles/. Rewards follow the same rule with their own declaration: a module
+of grpo_cli/rewards/ that declares ``REWARD = Reward(...)`` is a built-in (the package's other
+modules are its machinery), a user's is an import path in `reward.<name>.fn`.
+
+So a new one is one module and one preset (conf/<group>/<name>.yaml, or a folder of the user's
+on Hydra's search path), with no edit anywhere else (tests/test_plugins.py counts it), and the
+names a message offers are the modules found. Its own options, typed by its `options` dataclass,
+come from the section's `options` node (`sampler.options.beam=4`); the built-ins keep the flat
+keys users already have. Its `check` runs in config validation, before any model loads.
 
 What a plug-in may rely on is declared in `facts` (a frozen record of the kind's: a sampler
 backend's is samplers.Facts, whose `exact_draw` decides whether the trainer corrects for the
 sampler's numerics), never probed with hasattr.
+
+There is no `close` here: what a plug-in builds and holds frees itself (a Sampler's and a
+tracker's own `close()`, called by whoever built it); a loss variant, an environment style's
+factory and a data source's rows hold nothing. (A reward's scoring function is a plain function,
+so `Reward` keeps its `close`.)
 """
 
 from __future__ import annotations
@@ -37,12 +50,12 @@ class Plugin:
 
     name: its name in YAML (a built-in's module name; a user's is its import path).
     build(...): makes what the kind asks for (a Sampler, a loss Variant, a tracker, a data
-      source's rows); the kind's package documents the call.
+      source's rows, an environment factory); the kind's package documents the call.
     options: the dataclass of its own options and their defaults, read from `<section>.options`
       (None: it has none).
-    check(cfg) -> problems: its checks of the whole config, one paragraph each, run by config
-      validation before any model loads.
-    close(built): frees what build made, whether the run ended well or not (None: nothing to free).
+    check(cfg) -> problems: its checks of the config, one paragraph each, run by config
+      validation before any model loads; the kind's package says what `cfg` is (the whole config
+      for a sampler backend, the kind's section for the others, trainer.report_to for a tracker).
     facts: a frozen record of the kind's, what the rest of the code may rely on.
     """
 
@@ -50,7 +63,6 @@ class Plugin:
     build: Callable[..., Any]
     options: type | None = None
     check: Callable[[Any], list[str]] | None = None
-    close: Callable[[Any], None] | None = None
     facts: Any = None
 
     def problems(self, cfg: Any) -> list[str]:

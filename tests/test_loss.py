@@ -734,20 +734,35 @@ def test_importance_weights_scale_the_policy_term_not_the_kl():
     torch.testing.assert_close(g_kl_w, g_kl)  # KL gradient untouched
 
 
-# --------------------------------------------------------------------------- the loss table
+# --------------------------------------------------------------------------- the loss variants
+
+_THROWAWAY = """
+from grpo_cli.loss.variants import Variant
+from grpo_cli.plugins import Plugin
 
 
-def test_a_loss_variant_is_one_row_of_the_table(monkeypatch, compose):
-    """A new loss_type is its policy term (a pure function) plus one row of loss.LOSSES: grpo_loss
-    runs the row's term and reduction, and config validation takes the allowed names from the
-    table, so the new name validates with no other edit."""
+def unclipped(ratio, adv, cfg):  # a policy term: -r A, no trust region
+    return -ratio * adv  # [B, T]
+
+
+def token_sum(per_token_loss, valid, counts):  # a reduction: no normaliser at all
+    return per_token_loss.sum()  # []
+
+
+PLUGIN = Plugin(name="throwaway", build=lambda: Variant(policy_term=unclipped, reduce=token_sum))
+"""
+
+
+def test_a_loss_variant_is_one_module(monkeypatch, compose, tmp_path):
+    """A new built-in loss_type is one module of grpo_cli/loss/variants/ declaring PLUGIN (here
+    written to a folder added to the package's path, so the package is not touched): grpo_loss
+    runs its term and reduction, and config validation and the error messages take the names from
+    the modules, so the new name validates with no other edit."""
+    import importlib
+    import sys
+
     from grpo_cli.config import validate
-
-    def unclipped(ratio, adv, cfg):  # a policy term: -r A, no trust region
-        return -ratio * adv  # [B, T]
-
-    def token_sum(per_token_loss, valid, counts):  # a reduction: no normaliser at all
-        return per_token_loss.sum()  # []
+    from grpo_cli.loss import variants
 
     name = "throwaway"
     logps, old, ref, mask = make_batch([3, 2, 0], 3)
@@ -757,18 +772,38 @@ def test_a_loss_variant_is_one_row_of_the_table(monkeypatch, compose):
     with pytest.raises(ValueError, match=name):
         grpo_loss(logps, old, ref, adv, mask, loss_type=name)
 
-    monkeypatch.setitem(
-        loss_module.LOSSES, name, loss_module.Variant(policy_term=unclipped, reduce=token_sum)
-    )
-    assert validate(compose([f"loss.loss_type={name}"])) == []
-    loss, grad, _ = grad_of(logps, old, ref, adv, mask, loss_type=name, beta=0.1)
+    (tmp_path / f"{name}.py").write_text(_THROWAWAY)
+    monkeypatch.setattr(variants, "__path__", [*variants.__path__, str(tmp_path)])
+    importlib.invalidate_caches()
+    try:
+        assert name in loss_module.LOSSES and list(loss_module.LOSSES) == sorted(loss_module.LOSSES)
+        assert validate(compose([f"loss.loss_type={name}"])) == []
+        assert f", {name};" in str(pytest.raises(ValueError, loss_module.variant, "nosuch").value)
+        loss, grad, _ = grad_of(logps, old, ref, adv, mask, loss_type=name, beta=0.1)
+    finally:
+        sys.modules.pop(f"{variants.__name__}.{name}", None)
+        vars(variants).pop(name, None)
+        loss_module.variant.cache_clear()
     ratio = torch.exp(logps - old)  # [B, T]
     kl = per_token_kl(logps, ref, mask)  # [B, T], k3
     torch.testing.assert_close(loss, ((-ratio * adv[:, None] + 0.1 * kl) * mask).sum())
     # d(-r A)/dlogp = -r A; d(k3)/dlogp = 1 - exp(ref - logp)
     torch.testing.assert_close(grad, (-ratio * adv[:, None] + 0.1 * (1 - torch.exp(ref - logps))) * mask)
     _, clipped_grad, _ = grad_of(logps, old, ref, adv, mask, loss_type="bnpo")
-    assert clipped_grad[0, 0] == 0 and grad[0, 0] != 0  # the row's term, not the clipped one
+    assert clipped_grad[0, 0] == 0 and grad[0, 0] != 0  # the variant's term, not the clipped one
+
+
+def test_each_builtin_variant_is_a_plugin_named_by_its_module():
+    """The built-ins are the modules of grpo_cli/loss/variants/, each a Plugin named by its file
+    whose build gives the Variant that loss.LOSSES and loss.variant return."""
+    from grpo_cli import plugins
+
+    assert list(loss_module.LOSSES) == sorted(LOSS_TYPES)
+    for name in LOSS_TYPES:
+        declared = plugins.load(loss_module.VARIANTS, name, "loss.loss_type")
+        assert declared.name == name and isinstance(declared.build(), loss_module.Variant)
+        assert loss_module.LOSSES[name] is loss_module.variant(name)
+    assert "ppo" not in loss_module.LOSSES
 
 
 # --------------------------------------------------------------------------- CISPO and SAPO

@@ -262,3 +262,115 @@ def test_options_are_typed_by_the_declaration():
         plugins.read_options(declared, {"size": 1}, "data.options")
     with pytest.raises(UserError, match="p takes no options"):
         plugins.read_options(plugins.Plugin(name="p", build=lambda: None), {"x": 1}, "data.options")
+
+
+# A user's loss variant with a check of its own, and a user's environment style: the same rule as
+# the built-ins (plugins.load), and their checks run in config validation.
+CHECKED_LOSS = """
+from dataclasses import dataclass
+
+from grpo_cli.loss.reductions import token_mean
+from grpo_cli.loss.terms import clipped_surrogate
+from grpo_cli.loss.variants import Variant
+from grpo_cli.plugins import Plugin
+
+
+@dataclass(frozen=True)
+class Options:
+    scale: float = 1.0
+
+
+def check(lo):
+    scale = lo.options.get("scale", 1.0)
+    if scale > 0:
+        return []
+    return [f"loss.options.scale={scale} must be > 0 (my_checked_loss scales its term by it); set it to 1.0."]
+
+
+PLUGIN = Plugin(
+    name="my_checked_loss",
+    build=lambda: Variant(policy_term=clipped_surrogate, reduce=token_mean),
+    options=Options,
+    check=check,
+)
+"""
+
+STYLE = """
+from grpo_cli.environments.styles import Facts
+from grpo_cli.plugins import Plugin
+
+
+class Echo:
+    def __init__(self, word):
+        self.word = word
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return None
+
+
+def check(env):
+    if env.fn == "echo":
+        return []
+    return [f"environment.fn={env.fn!r}: my_style knows only echo; set environment.fn=echo."]
+
+
+PLUGIN = Plugin(name="my_style", build=lambda cfg, path, where: lambda: Echo(path), check=check, facts=Facts(fn="echo"))
+"""
+
+
+def test_a_user_loss_variants_check_runs_in_validation(tmp_path, monkeypatch, compose):
+    from grpo_cli.config import validate
+
+    (tmp_path / "my_checked_loss.py").write_text(CHECKED_LOSS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    chosen = "loss.loss_type=my_checked_loss:PLUGIN"
+    assert validate(compose([chosen, "+loss.options.scale=2"])) == []
+    problems = validate(compose([chosen, "+loss.options.scale=-1"]))
+    assert problems == [
+        "loss.options.scale=-1 must be > 0 (my_checked_loss scales its term by it); set it to 1.0."
+    ]
+    problems = validate(compose([chosen, "+loss.options.size=3"]))
+    assert len(problems) == 1 and "loss.options has size, which my_checked_loss does not read" in problems[0]
+
+
+def test_a_user_environment_style_is_one_module(tmp_path, monkeypatch, compose):
+    """environment.style takes a user's style by import path, as every kind does: its build makes
+    the environments, its check runs in validation; an unknown name lists the built-in modules."""
+    from grpo_cli.config import validate
+    from grpo_cli.environments import environment_factory
+
+    (tmp_path / "my_style.py").write_text(STYLE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = compose(["environment.style=my_style:PLUGIN", "environment.fn=echo"])
+    assert validate(cfg) == []
+    made = environment_factory(cfg.environment)({"prompt": "hi"})
+    assert type(made).__name__ == "Echo" and made.word == "echo"
+    problems = validate(compose(["environment.style=my_style:PLUGIN", "environment.fn=other"]))
+    assert problems == ["environment.fn='other': my_style knows only echo; set environment.fn=echo."]
+    (problem,) = validate(compose(["environment.style=gym", "environment.fn=echo"]))
+    assert "environment.style='gym' is not one of native, text_gym, trl;" in problem
+
+
+def test_a_builtin_environment_style_is_one_module(tmp_path, monkeypatch, compose):
+    """A new built-in style is one module of grpo_cli/environments/styles/ (here written to a
+    folder added to the package's path, so the package is not touched): environment.style takes
+    its file name, and validation's list of styles names it, with no other edit."""
+    import importlib
+    import sys
+
+    from grpo_cli.config import validate
+    from grpo_cli.environments import styles
+
+    (tmp_path / "echoing.py").write_text(STYLE.replace('name="my_style"', 'name="echoing"'))
+    monkeypatch.setattr(styles, "__path__", [*styles.__path__, str(tmp_path)])
+    importlib.invalidate_caches()
+    try:
+        assert validate(compose(["environment.style=echoing", "environment.fn=echo"])) == []
+        (problem,) = validate(compose(["environment.style=gym", "environment.fn=echo"]))
+        assert "is not one of echoing, native, text_gym, trl;" in problem
+    finally:
+        sys.modules.pop(f"{styles.__name__}.echoing", None)
+        vars(styles).pop("echoing", None)

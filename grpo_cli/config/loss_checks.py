@@ -1,5 +1,6 @@
 """The loss group's bounds, checked before any model loads (config.validation calls
-loss_problems; here, not in grpo_cli.loss: that package imports torch)."""
+loss_problems; here, not in grpo_cli.loss: that package imports torch, so the variant's name,
+options and its own checks, variant_problems, import it only when called)."""
 
 from __future__ import annotations
 
@@ -71,46 +72,20 @@ def loss_problems(lo: Any) -> list[str]:
         )
     if not lo.beta >= 0:
         problems.append(f"loss.beta={lo.beta} must be >= 0; use 0 to train without a reference model.")
+    return problems + variant_problems(lo)
+
+
+def variant_problems(lo: Any) -> list[str]:
+    """loss.loss_type's problems, one rule for a built-in and a user's variant: its name (a module
+    of grpo_cli/loss/variants/ or an import path) and that its build makes a Variant, its options
+    (`loss.options`, read into its options dataclass), then its own check of the loss section."""
     from grpo_cli import loss, plugins
     from grpo_cli.errors import UserError
 
-    try:  # a row of the loss table, or a user's variant by import path, with its own options
-        row = loss.variant(lo.loss_type)
-        declared = (
-            plugins.load("grpo_cli.loss", lo.loss_type, "loss.loss_type")
-            if plugins.is_import_path(lo.loss_type)
-            else plugins.Plugin(name=lo.loss_type, build=lambda: row, options=row.options)
-        )
-        options = plugins.read_options(declared, lo.options, "loss.options")
-        problems += _variant_problems(lo, options)
+    try:
+        declared = plugins.load(loss.VARIANTS, lo.loss_type, "loss.loss_type")
+        loss.variant(lo.loss_type)
+        plugins.read_options(declared, lo.options, "loss.options")
     except (ValueError, UserError) as exc:
-        problems.append(str(exc))
-    return problems
-
-
-def _variant_problems(lo: Any, options: Any) -> list[str]:
-    """The built-in variants' own options in range, and what they do not combine with."""
-    from grpo_cli.loss.terms import CispoOptions, SapoOptions
-
-    problems = []
-    if isinstance(options, CispoOptions):
-        if not (isinstance(options.weight_max, (int, float)) and options.weight_max > 0):
-            problems.append(
-                f"loss.options.weight_max={options.weight_max!r} must be a number > 0 (the cap on CISPO's "
-                "importance weight; 5.0 is TRL's recommended value)."
-            )
-        if lo.importance_sampling_level == "sequence":
-            problems.append(
-                "loss.loss_type=cispo weights each token by its own ratio; loss.importance_sampling_level="
-                "sequence does not apply to it (TRL refuses the pair too): set it to token, or choose "
-                "loss=gspo for sequence-level ratios."
-            )
-    if isinstance(options, SapoOptions):
-        for key in ("temperature_pos", "temperature_neg"):
-            value = getattr(options, key)
-            if not (isinstance(value, (int, float)) and value > 0):
-                problems.append(
-                    f"loss.options.{key}={value!r} must be a number > 0 (the SAPO gate's temperature; "
-                    "TRL's defaults are 1.0 and 1.05)."
-                )
-    return problems
+        return [str(exc)]
+    return declared.problems(lo)

@@ -29,8 +29,10 @@ from grpo_cli.config.schema import (
 
 def choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of each option, from the module that implements it (imported here, not
-    at the top, so that a bad command line is answered before torch is imported)."""
-    from grpo_cli import adapters, distributed, loss
+    at the top, so that a bad command line is answered before torch is imported). The plug-in
+    kinds' names are not here: each kind's check lists the modules found (grpo_cli/plugins.py),
+    e.g. environment.style's in environments.check_environment, loss.loss_type's in loss_checks."""
+    from grpo_cli import adapters, distributed, environments, loss
     from grpo_cli.data import LONG_PROMPT_RULES
     from grpo_cli.optim import LR_SCHEDULERS, OPTIMIZERS
     from grpo_cli.precision import PRECISIONS
@@ -38,8 +40,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {
         "data.long_prompts": LONG_PROMPT_RULES,
         "environment.on_error": ("raise", "mask"),
-        "environment.protocol": ("tag", "native"),
-        "environment.style": ("native", "trl", "text_gym"),
+        "environment.protocol": environments.PROTOCOLS,
         "environment.reward_turns": ("sum", "last"),
         "loss.kl_estimator": loss.KL_ESTIMATORS,
         "loss.importance_sampling_level": loss.IS_LEVELS,
@@ -315,28 +316,7 @@ def unused_settings(cfg: Any) -> list[str]:
                 f"data.{key}={_shown(value)} is ignored by data.source={d.source}: {why}; choose "
                 f"data=arithmetic to train on generated problems, otherwise drop data.{key}."
             )
-    if d.source == "file":
-        # A file is read whole: subset and split would select within a hub dataset. eval_split is
-        # worse than ignored: the file is read again for it, so the training rows are evaluated.
-        if d.subset is not None:
-            problems.append(
-                f"data.subset={_shown(d.subset)} is ignored by data.source=file: a local file has no "
-                "configurations (subset picks one of a hub dataset's, e.g. gsm8k's main); set "
-                "data.subset=null, or data.source=hub if data.path names a hub dataset."
-            )
-        if d.split != DataConfig().split:
-            problems.append(
-                f"data.split={_shown(d.split)} is ignored by data.source=file: a local file is read whole "
-                "(split picks one of a hub dataset's splits); give that split's file as data.path and "
-                "drop data.split, or set data.source=hub if data.path names a hub dataset."
-            )
-        if d.eval_split is not None:
-            problems.append(
-                f"data.eval_split={_shown(d.eval_split)} does not apply to data.source=file: a local file "
-                "has no splits, so the whole file, training rows included, would be evaluated; set "
-                "data.eval_split=null to hold out data.eval_size rows of the file, or data.source=hub if "
-                "data.path names a hub dataset."
-            )
+    problems += _unused_file_keys(d)
     if d.source == "hub" and d.eval_split is not None and d.eval_size != DataConfig().eval_size:
         problems.append(
             f"data.eval_size={d.eval_size} is ignored with data.eval_split={_shown(d.eval_split)}: the "
@@ -398,13 +378,49 @@ def unused_settings(cfg: Any) -> list[str]:
     return problems
 
 
+def _unused_file_keys(d: Any) -> list[str]:
+    """The hub keys data.source=file does not read (subset, split) or must not (eval_split)."""
+    if d.source != "file":
+        return []
+    problems = []
+    # A file is read whole: subset and split would select within a hub dataset. eval_split is
+    # worse than ignored: the file is read again for it, so the training rows are evaluated.
+    if d.subset is not None:
+        problems.append(
+            f"data.subset={_shown(d.subset)} is ignored by data.source=file: a local file has no "
+            "configurations (subset picks one of a hub dataset's, e.g. gsm8k's main); set "
+            "data.subset=null, or data.source=hub if data.path names a hub dataset."
+        )
+    if d.split != DataConfig().split:
+        problems.append(
+            f"data.split={_shown(d.split)} is ignored by data.source=file: a local file is read whole "
+            "(split picks one of a hub dataset's splits); give that split's file as data.path and "
+            "drop data.split, or set data.source=hub if data.path names a hub dataset."
+        )
+    if d.eval_split is not None:
+        problems.append(
+            f"data.eval_split={_shown(d.eval_split)} does not apply to data.source=file: a local file "
+            "has no splits, so the whole file, training rows included, would be evaluated; set "
+            "data.eval_split=null to hold out data.eval_size rows of the file, or data.source=hub if "
+            "data.path names a hub dataset."
+        )
+    return problems
+
+
 def _unused_environment(env: Any) -> list[str]:
-    """environment.env_config and reward_turns, read by environment.style=text_gym alone."""
-    if env.style == "text_gym":
+    """The environment keys that another style alone reads (its facts.keys: environment.env_config
+    and reward_turns, text_gym's), set under this one. None under a style that is not found (its
+    name is the problem then: environments.check_environment)."""
+    from grpo_cli.environments import styles
+    from grpo_cli.errors import UserError
+
+    try:
+        foreign = styles.foreign_keys(env.style)
+    except UserError:
         return []
     return [
-        f"environment.{key}={_shown(value)} is ignored with environment.style={env.style} (only a skyrl-gym "
-        "text environment reads it): choose environment.style=text_gym, otherwise drop "
-        f"environment.{key}."
-        for key, value in _changed(env, EnvironmentConfig(), ("env_config", "reward_turns"))
+        f"environment.{key}={_shown(value)} is ignored with environment.style={env.style} (only "
+        f"environment.style={foreign[key]} reads it): choose environment.style={foreign[key]}, otherwise "
+        f"drop environment.{key}."
+        for key, value in _changed(env, EnvironmentConfig(), tuple(foreign))
     ]

@@ -27,9 +27,11 @@ environment.fn may also map names to environments ({math: my_pkg.envs:Math, game
 row's `environment` column picks its episode's (TRL 1.16's dict environment_factory), and that
 column is not passed to reset.
 
-environment.style=trl takes a TRL environment_factory class instead (environments/trl_class.py);
-environment.style=text_gym a skyrl-gym BaseTextEnv, by registered id or import path
-(environments/text_gym.py).
+environment.style says what environment.fn is: native (the default) this interface;
+trl a TRL environment_factory class (environments/trl_class.py); text_gym a skyrl-gym BaseTextEnv,
+by registered id or import path (environments/text_gym.py). Each style is a plug-in, a module of
+environments/styles/ (or a user's by import path, environment.style=my_pkg.my_style), whose build
+turns environment.fn into a maker of fresh environments.
 
 A Reply's keep_text (a skyrl-gym postprocessed_action) cuts the turn's sampled tokens at the
 shortest prefix that decodes to it exactly; where none does, the turn is kept whole and counted
@@ -59,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_cli import calls
+from grpo_cli.environments import styles
 from grpo_cli.errors import UserError
 
 
@@ -91,6 +94,7 @@ def call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str):
     return calls.call_with_timeout(fn, args, timeout_s, what, "environment.timeout_s")
 
 
+#: environment.protocol's values: how a ToolEnv's tools are called (config validation reads them).
 PROTOCOLS = ("tag", "native")
 
 
@@ -311,28 +315,12 @@ def environment_factory(cfg) -> Callable[[dict], Any] | None:
 
 
 def _one_factory(cfg, path, where: str) -> Callable[[], Any]:
-    """One environment's maker, no arguments: environment.fn's (or one entry of its mapping)."""
+    """One environment's maker, no arguments: environment.fn's (or one entry of its mapping), as
+    environment.style's plug-in builds it (environments/styles/)."""
+    style = styles.plugin(cfg.style)
     if not isinstance(path, str) or not path:
-        raise UserError(
-            f"{where}={path!r} is not an environment: give an import path (my_pkg.envs:MyEnv)"
-            + (", or a skyrl-gym id (gsm8k)" if cfg.style == "text_gym" else "")
-            + "."
-        )
-    if cfg.style == "text_gym":
-        from grpo_cli.environments.text_gym import text_gym_factory
-
-        return text_gym_factory(cfg, path)
-    factory = load_object(path, where)
-    if cfg.style == "trl":
-        from grpo_cli.environments.trl_class import check_trl_class, trl_factory
-
-        for problem in check_trl_class(factory, path):
-            raise UserError(problem)
-        return trl_factory(factory, cfg)
-    if not callable(factory):
-        raise UserError(f"{where}={path!r} is not a class or a function; it must make an environment.")
-    _suggest_style(factory, path)
-    return factory
+        raise UserError(f"{where}={path!r} is not an environment: give {style.facts.fn}.")
+    return style.build(cfg, path, where)
 
 
 class Routed:
@@ -360,33 +348,20 @@ class Routed:
         return [make() for make in self.factories.values()]
 
 
-def _suggest_style(factory, path: str) -> None:
-    """environment.style=native given a class shaped like TRL's (a reset, no step, public methods
-    as tools): one paragraph suggesting environment.style=trl (the style is never guessed)."""
-    if not isinstance(factory, type):
-        return
-    methods = dict(inspect.getmembers(factory, predicate=inspect.isfunction))
-    if "reset" in methods and "step" not in methods:
-        raise UserError(
-            f"environment.fn={path!r}: class {factory.__name__} has reset but no step, so it is not a "
-            "grpo-cli environment (reset(row), step(text)); if it is a TRL environment_factory class "
-            "(reset(**row), its public methods the tools, get_reward()), set environment.style=trl."
-        )
-
-
 def check_environment(env) -> list[str]:
-    """environment.* (config validation): one of fn and tools, importable. env: the environment
-    group (a sampler backend checks that an episode fits it: samplers/vllm.py)."""
+    """environment.* (config validation): the style's name (a module of environments/styles/ or an
+    import path), one of fn and tools, importable, then the style's own checks. env: the
+    environment group (a sampler backend checks that an episode fits it: samplers/vllm.py)."""
+    try:
+        style = styles.plugin(env.style)
+    except UserError as exc:
+        return [str(exc)]
     if not env.fn and not env.tools:
         return []
     problems = []
-    if env.style in ("trl", "text_gym") and not env.fn:
-        what = {
-            "trl": "the TRL environment class by import path (environment.fn=my_pkg.envs:MyEnv)",
-            "text_gym": "a skyrl-gym environment id or BaseTextEnv class (environment.fn=gsm8k)",
-        }[env.style]
+    if not style.facts.tools and not env.fn:
         problems.append(
-            f"environment.style={env.style} needs environment.fn, {what}; environment.tools="
+            f"environment.style={env.style} needs environment.fn, {style.facts.fn}; environment.tools="
             f"{list(env.tools)} are plain functions (the native style)."
         )
     if env.fn and env.tools:
@@ -400,4 +375,4 @@ def check_environment(env) -> list[str]:
         environment_factory(env)
     except UserError as exc:
         problems.append(str(exc))
-    return problems
+    return problems + style.problems(env)

@@ -19,18 +19,22 @@ One module per family, each of pure functions:
   length), each with step-wide denominators (gradient accumulation invariance).
 * ``stats.py``: the detached stats of a ``grpo_loss`` call.
 * ``options.py``: the allowed values of the other string options, the compute dtype.
+* ``variants/``: the loss variants ``loss.loss_type`` chooses, one plug-in module each
+  (grpo_cli/plugins.py): ``Variant`` (the policy term and the reduction) is declared there, and
+  each module is a built-in named by its file; a user's is chosen by import path, by the same rule.
 
-The loss table, :data:`LOSSES`, is here: ``loss.loss_type`` names one of its rows, and
-``config/validation.py`` takes the allowed names from it. A new loss variant is its policy term
-(a pure function, in ``terms.py`` or anywhere) plus one row here plus a preset
-``conf/loss/<name>.yaml``; ``grpo_loss`` is the same for every row.
+:func:`variant` is ``loss.loss_type``'s ``Variant`` (built-in or a user's), and :data:`LOSSES`
+the built-ins by name, a view of ``variants/``'s modules. A new loss variant is one module in
+``variants/`` (its policy term in it, or in ``terms.py``) plus a preset ``conf/loss/<name>.yaml``;
+config validation and the error messages take the names from the modules, and ``grpo_loss`` is
+the same for every variant.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -58,29 +62,23 @@ from grpo_cli.loss.options import (
     _check_choice,
     _compute_dtype,
 )
-from grpo_cli.loss.reductions import Counts, constant_length, per_sequence_mean, token_mean
+from grpo_cli.loss.reductions import Counts
 from grpo_cli.loss.stats import loss_stats
 from grpo_cli.loss.terms import (
-    CispoOptions,
-    SapoOptions,
     adapt_entropy_coef,
     applied_entropy_coef,
-    cispo,
-    cispo_stats,
     clip_range,
-    clipped_surrogate,
     entropy_bonus,
     high_entropy_mask,
     importance_ratio,
     kl_penalty,
     off_policy_mask,
     per_token_kl,
-    sapo,
-    sapo_stats,
     sequence_mask_weights,
     teacher_term,
     truncated_importance_weights,
 )
+from grpo_cli.loss.variants import PolicyTerm, Reduction, Variant, VariantStats
 
 __all__ = [
     "group_advantages",
@@ -98,7 +96,10 @@ __all__ = [
     "sequence_mask_weights",
     "LOG_RATIO_CLAMP",
     "LOSSES",
+    "PolicyTerm",
+    "Reduction",
     "Variant",
+    "VariantStats",
     "variant",
     "Counts",
     # the allowed values of the other string options (options.py), read by config validation
@@ -113,65 +114,28 @@ __all__ = [
 ]
 
 
-class PolicyTerm(Protocol):
-    """The per-token policy loss ``[B, T]`` from the importance ratio ``[B, T]``, the
-    advantages ``[B, 1]`` and the loss section (see ``terms.py``)."""
-
-    def __call__(self, ratio: Tensor, adv: Tensor, cfg: LossConfig, /) -> Tensor: ...
+#: The package of the loss variants (grpo_cli/plugins.py: a built-in is one of its modules).
+VARIANTS = "grpo_cli.loss.variants"
 
 
-class Reduction(Protocol):
-    """The scalar loss from the per-token loss ``[B, T]`` (0 where ``valid`` is False), the
-    bool mask ``valid`` ``[B, T]`` and the step's counts (see ``reductions.py``)."""
+class _Builtins(Mapping[str, Variant]):
+    """loss.loss_type's built-in names -> their Variant, in name order: a view of the modules of
+    loss/variants/ (found each time, so nothing here lists them)."""
 
-    def __call__(self, per_token_loss: Tensor, valid: Tensor, counts: Counts, /) -> Tensor: ...
+    def __iter__(self) -> Iterator[str]:
+        return iter(plugins.builtin_names(VARIANTS))
 
+    def __len__(self) -> int:
+        return len(plugins.builtin_names(VARIANTS))
 
-class VariantStats(Protocol):
-    """A variant's own per-token stats: name -> ``[B, T]`` (bool or float) from the ratio
-    ``[B, T]``, the advantages ``[B, 1]`` and the loss section; logged as their means over the
-    tokens in the loss, under the names the variant declares (``Variant.stat_names``)."""
-
-    def __call__(self, ratio: Tensor, adv: Tensor, cfg: LossConfig, /) -> dict[str, Tensor]: ...
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One row of the loss table: the policy term per token and the reduction to a scalar; its
-    typed options (a dataclass read from ``loss.options``, checked before the run; None: it takes
-    none) and its own stats with their names (the metrics' columns)."""
-
-    policy_term: PolicyTerm
-    reduce: Reduction
-    options: type | None = None
-    stats: VariantStats | None = None
-    stat_names: tuple[str, ...] = ()
+    def __getitem__(self, name: str) -> Variant:
+        if name not in plugins.builtin_names(VARIANTS):
+            raise KeyError(name)
+        return variant(name)
 
 
-# loss.loss_type -> its row; the order is the one error messages list the names in.
-LOSSES: dict[str, Variant] = {
-    "grpo": Variant(policy_term=clipped_surrogate, reduce=per_sequence_mean),
-    "bnpo": Variant(policy_term=clipped_surrogate, reduce=token_mean),
-    "dr_grpo": Variant(policy_term=clipped_surrogate, reduce=constant_length),
-    "dapo": Variant(policy_term=clipped_surrogate, reduce=token_mean),
-    # CISPO (MiniMax-M1, TRL loss_type="cispo"): the clipped weight, detached, times log p;
-    # normalised over the step's tokens, as TRL does.
-    "cispo": Variant(
-        policy_term=cispo,
-        reduce=token_mean,
-        options=CispoOptions,
-        stats=cispo_stats,
-        stat_names=("cispo_clip_ratio",),
-    ),
-    # SAPO (TRL loss_type="sapo"): a soft temperature gate for the clip; per-sequence mean, as TRL.
-    "sapo": Variant(
-        policy_term=sapo,
-        reduce=per_sequence_mean,
-        options=SapoOptions,
-        stats=sapo_stats,
-        stat_names=("sapo/gate_mean",),
-    ),
-}
+#: The built-in loss variants by name (a view of loss/variants/; ``variant`` takes a user's too).
+LOSSES: Mapping[str, Variant] = _Builtins()
 
 
 @dataclass(frozen=True)
@@ -200,7 +164,7 @@ def grpo_loss(
     counts: Counts | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The ``loss_type`` row's policy term plus ``beta * KL``, reduced by the row's reduction.
+    """The ``loss_type`` variant's policy term plus ``beta * KL``, reduced by its reduction.
 
     Args:
         logps: ``[B, T]`` current-policy log-probs of the completion tokens
@@ -212,7 +176,7 @@ def grpo_loss(
             policy term, not the KL term, e.g. :func:`truncated_importance_weights` for a
             sampler/trainer mismatch; detached here) and ``num_generations`` (only used for the
             ``num_zero_std_groups`` stat).
-        cfg: the loss section; read: ``loss_type`` (a row of :data:`LOSSES`), ``beta`` (>= 0),
+        cfg: the loss section; read: ``loss_type`` (:func:`variant`), ``beta`` (>= 0),
             ``epsilon``/``epsilon_high``/``delta`` (the clipped surrogate's range, ``terms.py``),
             ``importance_sampling_level`` (``"token"`` or ``"sequence"``, GSPO),
             ``kl_estimator`` (``"k1"``, ``"k2"``, ``"k3"``), ``zero_std`` (``"mask"``,
@@ -322,7 +286,7 @@ def _check_options(
     b_sampler_logps: Tensor | None,
     teacher_logps: Tensor | None = None,
 ) -> Variant:
-    """grpo_loss's option checks; the loss table's row of ``cfg.loss_type``."""
+    """grpo_loss's option checks; the variant ``cfg.loss_type`` names."""
     beta, zero_std = cfg.beta, cfg.zero_std
     if cfg.teacher_kl and teacher_logps is None:
         raise ValueError("teacher_kl > 0 needs the teacher's log-probs (LossBatch.teacher_logps)")
@@ -334,8 +298,12 @@ def _check_options(
         )
     _check_choice("importance_sampling_level", cfg.importance_sampling_level, IS_LEVELS)
     _check_choice("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
-    if not plugins.is_import_path(cfg.loss_type):
-        _check_choice("loss_type", cfg.loss_type, tuple(LOSSES))
+    try:
+        chosen = variant(cfg.loss_type)
+    except ValueError:  # a built-in name: the names registered, as the other options list theirs
+        if not plugins.is_import_path(cfg.loss_type):
+            _check_choice("loss_type", cfg.loss_type, tuple(LOSSES))
+        raise
     _check_choice("zero_std", zero_std, ZERO_STD_MODES)
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
@@ -343,23 +311,17 @@ def _check_options(
         raise ValueError(f"beta={beta} > 0 needs ref_logps (reference-model log-probs)")
     if zero_std == "weight" and group_std is None:
         raise ValueError("zero_std='weight' needs group_std (from group_advantages)")
-    return variant(cfg.loss_type)
+    return chosen
 
 
 @functools.cache
 def variant(name: str) -> Variant:
-    """``loss.loss_type``'s row: one of :data:`LOSSES`, or a user's variant by import path
-    (``my_pkg.my_loss``: a module declaring ``PLUGIN = Plugin(name=..., build=lambda: Variant(...))``,
-    grpo_cli/plugins.py), so a variant of one's own needs no edit here. ValueError otherwise."""
-    if name in LOSSES:
-        return LOSSES[name]
-    if not plugins.is_import_path(name):
-        raise ValueError(
-            f"loss.loss_type={name!r} is not one of {', '.join(LOSSES)}; choose one of those, or give the import "
-            "path of a module of yours that declares PLUGIN (e.g. loss.loss_type=my_pkg.my_loss)."
-        )
+    """``loss.loss_type``'s Variant: what the PLUGIN of the module ``name`` names builds, a module
+    of loss/variants/ (``grpo``) or a user's by import path (``my_pkg.my_loss``: a module declaring
+    ``PLUGIN = Plugin(name=..., build=lambda: Variant(...))``), one rule for both (plugins.load).
+    ValueError otherwise, naming the built-ins."""
     try:
-        made = plugins.load(__name__, name, "loss.loss_type").build()
+        made = plugins.load(VARIANTS, name, "loss.loss_type").build()
     except plugins.UserError as exc:
         raise ValueError(str(exc)) from None
     if not isinstance(made, Variant):
@@ -387,7 +349,7 @@ def _check_shapes(logps: Tensor, tokens: dict[str, Tensor | None], rows: dict[st
 def _policy_loss(
     variant: Variant, ratio: Tensor, adv: Tensor, cfg: LossConfig, importance_weights: Tensor | None
 ) -> Tensor:
-    """The row's policy term ``[B, T]``, times the TIS weights when given."""
+    """The variant's policy term ``[B, T]``, times the TIS weights when given."""
     per_token_loss = variant.policy_term(ratio, adv, cfg)  # [B, T]
     if importance_weights is not None:
         # Off-policy correction of the samples (TIS), on the policy term only, as TRL does.

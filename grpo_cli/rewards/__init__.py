@@ -40,16 +40,16 @@ import importlib
 import inspect
 import math
 import numbers
-import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from grpo_cli import plugins
 from grpo_cli.errors import UserError
 
 from ._calling import names_parameter
 from ._common import RewardError, completion_text, preview
 from ._text import clean_up_spaces, conversation, decode_completions
-from .base import ROLES, Reward, Rewards, RewardSpec
+from .base import NODE_KEYS, ROLES, Facts, Node, Reward, Rewards, RewardSpec
 from .scoring import (
     RESERVED_KWARGS,
     as_reward_input,
@@ -61,8 +61,11 @@ from .scoring import (
 )
 
 __all__ = [
+    "NODE_KEYS",
     "REGISTRY",
     "ROLES",
+    "Facts",
+    "Node",
     "Reward",
     "RewardError",
     "RewardSpec",
@@ -85,19 +88,17 @@ __all__ = [
     "score_rewards",
 ]
 
-_NOT_REWARDS = ("aio", "base", "scoring", "workers")  # this package's modules that declare no reward
-
 
 def _builtins() -> dict[str, Reward]:
-    """Every built-in: each module of this package (but base and scoring) declares REWARD, whose
-    name is the module's name, the registry key and the YAML name."""
+    """Every built-in: each public module of this package that declares REWARD (a Reward), whose
+    name is the module's name, the registry key and the YAML name (plugins.builtin_names, the
+    rule of every kind); a module that declares none is the package's machinery (scoring.py)."""
     found = {}
-    for m in pkgutil.iter_modules(__path__):
-        if m.name.startswith("_") or m.name in _NOT_REWARDS:
-            continue
-        declared = importlib.import_module(f"{__name__}.{m.name}").REWARD
-        assert declared.name == m.name, (m.name, declared.name)
-        found[m.name] = declared
+    for name in plugins.builtin_names(__name__):
+        declared = getattr(importlib.import_module(f"{__name__}.{name}"), "REWARD", None)
+        if isinstance(declared, Reward):
+            assert declared.name == name, (name, declared.name)
+            found[name] = declared
     return found
 
 
@@ -105,8 +106,6 @@ def _builtins() -> dict[str, Reward]:
 REGISTRY: dict[str, Reward] = _builtins()
 #: The gold-answer column a correctness reward reads unless it sets answer_column.
 DEFAULT_ANSWER_COLUMN = REGISTRY["accuracy"].options().answer_column
-#: The keys of a reward's node that are not its options: how the engine uses it (every reward has them).
-_NODE_KEYS = ("weight", "fn", "role", "workers", "call_timeout_s")
 
 
 # --------------------------------------------------------------------------
@@ -194,7 +193,7 @@ def _declared(name: str, found: Any) -> Reward:
     builtin = next((r for r in REGISTRY.values() if r.fn is found), None)
     if builtin is not None:  # a built-in reached by its path keeps its checks and role
         return dataclasses.replace(builtin, name=name)
-    return Reward(name=name, fn=found, role=getattr(found, "role", None) or "shaping")
+    return Reward(name=name, fn=found, role=getattr(found, "role", None) or Facts.role)
 
 
 def resolve_reward(name: str, fn: str | Callable | Reward | None = None) -> Reward:
@@ -302,7 +301,7 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
         if dataclasses.is_dataclass(
             node
         ):  # a built-in's typed node (config.reward_node), as to_typed gives it
-            node = {k: v for k, v in dataclasses.asdict(node).items() if v is not None or k not in _NODE_KEYS}
+            node = {k: v for k, v in dataclasses.asdict(node).items() if v is not None or k not in NODE_KEYS}
         if not isinstance(node, Mapping):
             problems.append(
                 f"{where}: expected a mapping with weight / fn / options, got {node!r} "
@@ -310,13 +309,13 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
             )
             continue
         node = _plain(node)
-        weight = node.get("weight", 1.0)
+        weight = node.get("weight", Node.weight)
         weight_ok = (
             isinstance(weight, numbers.Real) and not isinstance(weight, bool) and math.isfinite(weight)
         )
         if not weight_ok:
             problems.append(f"{where}.weight must be a finite number, got {weight!r}")
-        options = {k: v for k, v in node.items() if k not in _NODE_KEYS}
+        options = {k: v for k, v in node.items() if k not in NODE_KEYS}
         for key in options:
             if key in RESERVED_KWARGS:
                 problems.append(f"{where}: option name {key!r} is reserved (the engine passes it itself)")
@@ -338,8 +337,8 @@ def _build(reward_cfg: Any) -> tuple[list[RewardSpec], list[str]]:
             sig_problem = _signature_problem(declared.fn)
             if sig_problem:
                 problems.append(f"{where}: fn={fn_path!r}: {sig_problem}")
-        role = node.get("role") or declared.role
-        workers, timeout = node.get("workers") or 0, node.get("call_timeout_s")
+        role = node.get("role") or declared.facts.role
+        workers, timeout = node.get("workers") or Node.workers, node.get("call_timeout_s")
         calls_ok = _check_calls(problems, where, declared, workers, timeout)
         if role not in ROLES:
             problems.append(f"{where}.role={role!r}: choose one of {', '.join(ROLES)}")
@@ -407,10 +406,11 @@ def check_reward_columns(rewards: Sequence[RewardSpec], rows: list[dict], data_c
                     f"{column!r} (prompt {prompt!r}); add its answer or remove that record."
                 )
     for spec in rewards:  # the columns a reward reads (a judge's template: Reward.columns)
-        if spec.reward.columns is None or not rows:
+        columns = spec.reward.facts.columns
+        if columns is None or not rows:
             continue
         where = f"data.path={data_cfg.path!r}" if data_cfg.source != "arithmetic" else "the arithmetic data"
-        missing = [c for c in spec.reward.columns(spec.options) if not any(c in row for row in rows)]
+        missing = [c for c in columns(spec.options) if not any(c in row for row in rows)]
         if missing:
             raise UserError(
                 f"reward.{spec.name} reads the column{'s' if len(missing) > 1 else ''} "

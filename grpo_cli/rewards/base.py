@@ -1,9 +1,11 @@
 """What a reward is: one declaration (`Reward`), its configured use in a run (`RewardSpec`), and the
 run's rewards with their lifecycle (`Rewards`: opened on the training device, closed at the end).
 
-A built-in module declares `REWARD = Reward(...)`; the registry is derived from those
-declarations (rewards/__init__.py). A reward of yours is a plain function with TRL's signature
-(`fn(completions, **kwargs) -> list[float | None]`) given by import path, or a `Reward` object
+A built-in is a module of this package that declares `REWARD = Reward(...)` (the package's other
+modules are its machinery); the registry is derived from those declarations (rewards/__init__.py),
+the rule of every plug-in kind (grpo_cli/plugins.py). A reward of yours is a plain function with
+TRL's signature (`fn(completions, **kwargs) -> list[float | None]`) given by import path, which
+gets the default declaration (`Reward(name, fn=...)`: shaping, no options), or a `Reward` object
 at that path when it needs more: options checked before the run, a role, or a lifecycle, e.g. a
 model loaded once per process:
 
@@ -17,8 +19,8 @@ model loaded once per process:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 from ._calling import names_parameter
 
@@ -26,6 +28,36 @@ from ._calling import names_parameter
 #: drives eval/accuracy, the pass rule (pass@k, pass_rate_hist) and the check that the data has
 #: its answer column; at most one reward has it. shaping: any other (format, length, ...).
 ROLES = ("correctness", "shaping")
+
+
+@dataclass(frozen=True)
+class Node:
+    """The keys of a reward's config node (`reward.<name>.<key>`) that say how the run uses it,
+    every reward has them, with their defaults; every other key is one of the reward's own
+    options. weight: its share of the total; fn: its import path (None: the built-in of that
+    name); role: one of ROLES (None: its declaration's); workers, call_timeout_s: how it is called
+    (RewardSpec). The one place these keys are written (Optional: OmegaConf reads the hints)."""
+
+    weight: float = 1.0
+    fn: Optional[str] = None
+    role: Optional[str] = None
+    workers: int = 0
+    call_timeout_s: Optional[float] = None
+
+
+#: Node's keys, in order.
+NODE_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Node))
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the rest of the code may rely on about a reward (a Plugin's `facts`, spelled out as
+    Reward's own fields): its role (ROLES), whether NaN is a value it may return (nan_ok), and
+    columns(options) -> the dataset columns it reads (None: none beyond the answer column)."""
+
+    role: str = "shaping"
+    nan_ok: bool = False
+    columns: Callable[..., list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +97,11 @@ class Reward:
     def __post_init__(self):
         if (self.fn is None) == (self.build is None):
             raise TypeError(f"Reward {self.name!r}: give exactly one of fn and build")
+
+    @property
+    def facts(self) -> Facts:
+        """Its facts as one record (role, nan_ok, columns)."""
+        return Facts(role=self.role, nan_ok=self.nan_ok, columns=self.columns)
 
 
 @dataclass
