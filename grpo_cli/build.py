@@ -45,6 +45,7 @@ from grpo_cli.models import (
     tested_architecture,
 )
 from grpo_cli.optim import OptimizerStep, build_optimizer
+from grpo_cli.packing import scoring_plan
 from grpo_cli.precision import (
     MasterWeights,
     Precision,
@@ -451,21 +452,19 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     stream = PromptStream(data.train, seed=t.seed)
     if loaded:
         _restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
-    fast_paths = tested_architecture(policy)
-    if not fast_paths:
+    plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
+    if not plan.fast_paths:
         console.print(_untested_note(policy))
     scorer = TokenLogprobs(
         policy,
         temperature=s.temperature,
-        shared_prompt=fast_paths,
+        shared_prompt=plan.shared_prompt,
         top_k=s.top_k,
         top_p=s.top_p,
         chunk_size=t.logprob_chunk_size,
         entropy_grad=cfg.loss.entropy_coef != 0
         or cfg.loss.use_adaptive_entropy,  # the entropy bonus needs the entropy's gradient
-        # (FSDP2's forwards are collectives: every rank must run as many, whatever its lengths; an
-        # untested architecture runs the plain rows)
-        length_buckets=t.micro_batch_tokens is not None and not fsdp and fast_paths,
+        length_buckets=plan.length_buckets,
     )
     rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
     scorer = wrap_scorer(scorer, d, device)
@@ -476,10 +475,11 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         scorer,
         opt_step,
         precision,
-        fast_paths,
+        plan,
         d,
         device,
         rollouts.sampler.tolerance,
+        state,
         teacher,
     )
     return Parts(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli import guards, selfcheck
+from grpo_cli import guards
 from grpo_cli import step as phases
 from grpo_cli.build import Parts
 from grpo_cli.config import Config
@@ -31,7 +31,6 @@ from grpo_cli.distributed import is_sharded, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
 from grpo_cli.evaluate import group_values
 from grpo_cli.health import HealthMonitor
-from grpo_cli.loss import adapt_entropy_coef, applied_entropy_coef
 from grpo_cli.metrics import MetricsLogger, UpdateReport, UpdateStats, step_row
 from grpo_cli.optim import StepResult
 from grpo_cli.rewards import conversation, decode_completions
@@ -102,28 +101,16 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 _no_group(step, t.max_sampling_tries, health, log)
                 continue
 
-            # 2. Advantages per group (ref 004), detached; zero-std groups flagged (ref 002); the
-            #    scored batch, frozen from here on; the step's loss normalisers; whether the step has
-            #    any learning signal at all.
-            batch, norms, has_signal = learner.batch(sampled)
-
-            # 3. Micro-batches of whole groups (this rank's shard; zero-std groups left out, but on
-            #    the first step, whose self-check compares every row); reference log-probs (beta > 0).
+            # 2-4. The learner's step (roles.Learner.step): advantages per group (ref 004), detached,
+            #    zero-std groups flagged (ref 002); this rank's micro-batches of whole groups
+            #    (zero-std ones left out but on the first step, whose self-check compares every row);
+            #    the reference's and the teacher's log-probs; num_iterations updates (an optimizer step
+            #    each, skipped when the loss or gradient is not finite, or there is no signal).
             first = t.self_check and not parts.resumed_from and step == start_step + 1
-            plan = learner.plan(batch, first)
-            ref_logps, reference_seconds = learner.reference(batch, plan)
-            teacher_logps, teacher_seconds = learner.teacher_scores(batch, plan)  # (distillation)
-
-            # 4. num_iterations updates on this batch: gradient over the micro-batches, optimizer
-            #    step (skipped when the loss or gradient is not finite, or there is no signal).
-            check = (
-                selfcheck.FirstStep(learner.policy, learner.precision.name, cfg.sampler.temperature)
-                if first
-                else None
-            )
-            coef = applied_entropy_coef(_entropy_coef(state, cfg), state.last_entropy, cfg.loss)
-            context = phases.UpdateContext(norms, has_signal, ref_logps, check, teacher_logps, coef)
-            updated = learner.update(batch, plan, context, log)
+            stepped = learner.step(sampled.train, first)
+            updated = stepped.updated
+            for note in updated.notes:  # (the first step's self-check)
+                log.print(note)
             said_no_signal = _count_results(updated, step, run, said_no_signal)
             applied = any(result.applied for result in updated.results)
             if applied and run.bad_weights():  # a finite gradient can overflow the weights
@@ -135,19 +122,16 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 rollouts.sampler.sync(learner.policy)
             phase = {  # where the step's time went (seconds)
                 **sampled.seconds,
-                "reference": reference_seconds,
-                **({"teacher": teacher_seconds} if teacher_logps is not None else {}),
+                **stepped.seconds,
                 **updated.seconds,
                 "sync": time.perf_counter() - tick if applied else 0.0,
             }
 
             # 6. Metrics (TRL's names), eval, completions, health; a checkpoint every save_steps.
-            updated.stats.all_reduce(d)
             report = UpdateReport(updated.stats, learner.opt_step.learning_rate, t0, phase)
-            row = step_row(step, batch, sampled, report)
+            row = step_row(step, stepped.batch, sampled, report) | stepped.entropy
             guards.record_step(state, step, updated.stats.faults, t)
-            row.update(_adapt_entropy(state, updated.stats, cfg))  # (use_adaptive_entropy)
-            last_row = run.record(step, row, batch, sampled)
+            last_row = run.record(step, row, stepped.batch, sampled)
             if d.any(stop.requested) and step != parts.total_steps:  # (the last step finishes normally)
                 _stop_requested(stop, step, run)
             if step % t.save_steps == 0 and step != parts.total_steps:
@@ -160,26 +144,6 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
         _say_before_after(log, before, last_row, parts)
     return last_row
-
-
-def _entropy_coef(state: ckpt.TrainerState, cfg: Config) -> float:
-    """The adaptive entropy controller's coefficient (loss.entropy_coef until it first adapts)."""
-    return cfg.loss.entropy_coef if state.entropy_coef is None else state.entropy_coef
-
-
-def _adapt_entropy(state: ckpt.TrainerState, stats: UpdateStats, cfg: Config) -> dict[str, float]:
-    """TRL's adaptive entropy control after a step: the coefficient moves by this step's entropy
-    (every rank's trained tokens: `stats` is all-reduced, so every rank holds the same state), which
-    the next step's gate reads; the row's `entropy_coef` (TRL's metric: the value after the step).
-    A step that trained no token measured nothing and leaves the state as it was."""
-    lo = cfg.loss
-    if not lo.use_adaptive_entropy:
-        return {"entropy_coef": lo.entropy_coef} if lo.entropy_coef else {}
-    if stats.entropy_tokens:
-        entropy = stats.entropy_sum / stats.entropy_tokens
-        state.entropy_coef = adapt_entropy_coef(_entropy_coef(state, cfg), entropy, lo)
-        state.last_entropy = entropy
-    return {"entropy_coef": _entropy_coef(state, cfg)}
 
 
 def _no_group(step: int, tries: int, health: HealthMonitor, log) -> None:

@@ -145,15 +145,18 @@ class EstimateInputs:
 def prompts_per_micro_batch(trainer, sampler) -> int:
     """The prompts (groups) of a step's largest micro-batch, for the estimate: prompts_per_step /
     gradient_accumulation_steps; with trainer.micro_batch_tokens (grpo_cli/packing.py), as many
-    groups at their longest (sampler.max_prompt_length once, num_generations x max_new_tokens; G
-    prompts under gradient checkpointing) as the budget holds, at least one (a longer group runs
-    alone). Shorter groups pack more rows into the same tokens: the tokens, the logits and the
-    attention masks (rows x completion x length) stay within this bound."""
+    groups at their longest as the budget holds, at least one (a longer group runs alone): the
+    scoring plan's group cost (ScoringPlan.group_cost: sampler.max_prompt_length once,
+    num_generations x max_new_tokens; G prompts under gradient checkpointing). Shorter groups pack
+    more rows into the same tokens: the tokens, the logits and the attention masks (rows x
+    completion x length) stay within this bound."""
     P = max(1, int(trainer.prompts_per_step))
     if trainer.micro_batch_tokens is None:
         return max(1, P // max(1, trainer.gradient_accumulation_steps))
-    G, prompt, completion = sampler.num_generations, sampler.max_prompt_length, sampler.max_new_tokens
-    group = G * (prompt + completion) if trainer.gradient_checkpointing else prompt + G * completion
+    from grpo_cli.packing import scoring_plan  # (torch: only where a budget is set)
+
+    plan = scoring_plan(trainer, fast_paths=True)  # (before any model loads: the tested paths)
+    group = plan.group_cost(sampler.max_prompt_length, sampler.max_new_tokens, sampler.num_generations)
     return max(1, min(P, int(trainer.micro_batch_tokens) // group))
 
 

@@ -1,6 +1,6 @@
 """The run's roles, built once from the config (build.py) and shared by grpo-train and grpo-eval:
-`Rollouts` draws and scores (prompts -> scored records), `Learner` learns from them (a scored
-batch -> an optimizer step). Each holds its parts and reads the config by name, so the loop
+`Rollouts` draws and scores (prompts -> scored records), `Learner` learns from them (a step's
+scored draw -> an optimizer step: Learner.step). Each holds its parts and reads the config by name, so the loop
 (engine.py) calls them with a few arguments and wires nothing by hand.
 """
 
@@ -10,15 +10,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_cli import selfcheck
 from grpo_cli import step as phases
+from grpo_cli.checkpoint import TrainerState
 from grpo_cli.config import Config
 from grpo_cli.distributed import Dist
 from grpo_cli.environments.episodes import Episodes
 from grpo_cli.environments.path import RolloutPath
 from grpo_cli.evaluate import evaluate, grade
-from grpo_cli.logprobs import ScoringOptions
+from grpo_cli.loss import adapt_entropy_coef, applied_entropy_coef
+from grpo_cli.metrics import UpdateStats
 from grpo_cli.optim import OptimizerStep
-from grpo_cli.packing import token_micro_batches
+from grpo_cli.packing import ScoringPlan, plan_micro_batches
 from grpo_cli.precision import Precision
 from grpo_cli.rewards import Rewards
 from grpo_cli.samplers import Sampler
@@ -81,11 +84,26 @@ class Rollouts:
             self.rewards.close()
 
 
+@dataclass(frozen=True)
+class Stepped:
+    """What Learner.step did with one step's scored draw: the batch it trained on (rollout.Batch),
+    the updates (step.Updated: stats, each optimizer step's result, the notes for the log), the
+    seconds its frozen models took (reference; teacher, where there is one), and the adaptive
+    entropy control's row (entropy_coef, where it applies)."""
+
+    batch: Any
+    updated: phases.Updated
+    seconds: dict[str, float]
+    entropy: dict[str, float]
+
+
 @dataclass
 class Learner:
-    """A scored batch -> an optimizer step: the policy, the reference (None when loss.beta is 0),
-    the training forward (`scorer`: logprobs.TokenLogprobs, under DDP wrapped), the optimizer step,
-    the precision, whether the model takes the tested fast paths, and the sampler's tolerance."""
+    """A step's scored draw -> an optimizer step: the policy, the reference (None when loss.beta is
+    0), the training forward (`scorer`: logprobs.TokenLogprobs, under DDP wrapped), the optimizer
+    step, the precision, the scoring plan (packing.ScoringPlan: made once by the builder, read by
+    the micro-batch planner and every scoring forward), the run's state (its adaptive entropy
+    coefficient, which checkpoints keep) and the sampler's tolerance."""
 
     cfg: Config
     policy: Any
@@ -93,69 +111,70 @@ class Learner:
     scorer: Any
     opt_step: OptimizerStep
     precision: Precision
-    fast_paths: bool
+    plan: ScoringPlan
     dist: Dist
     device: Any
     tolerance: tuple[
         float, float
     ]  # the sampler's declared (mean, max) log-prob gap (update's mismatch floor)
+    state: TrainerState
     teacher: Any = None  # the frozen teacher (loss.teacher_kl > 0), else None
 
-    def batch(self, sampled: phases.Sampled):
-        """(Batch, loss normalisers, has learning signal): step.advantages."""
-        return phases.advantages(sampled, self.cfg.loss, self.device)
-
-    def plan(self, batch, first: bool) -> phases.MicroBatches:
-        """This rank's micro-batches (zero-std groups skipped, but on the first step: its self-check
-        compares every row)."""
-        t = self.cfg.trainer
-        skip = t.skip_zero_std and not first and not self.cfg.loss.teacher_kl
-        if t.micro_batch_tokens is not None:  # by a token budget (grpo_cli/packing.py)
-            rows, real = token_micro_batches(
-                batch,
-                budget=t.micro_batch_tokens,
-                skip=batch.zero_std.cpu() if skip and self.cfg.loss.zero_std == "mask" else None,
-                d=self.dist,
-                prompt_once=self.fast_paths and not t.gradient_checkpointing,
-                bucketed=self.fast_paths
-                and not (self.dist.enabled and t.distributed == "fsdp"),  # (as build.py's)
-            )
-            return phases.MicroBatches(rows, real)
-        return phases.micro_batches(
-            batch,
-            prompts_per_step=t.prompts_per_step,
-            accumulation_steps=t.gradient_accumulation_steps,
-            zero_std_mode=self.cfg.loss.zero_std,
-            d=self.dist,
-            # (the teacher term trains every row, zero-std ones included: none is skipped)
-            skip_zero_std=skip,
+    def step(self, scored: Scored, first: bool) -> Stepped:
+        """One step on `scored` (the groups to train on): advantages (the Batch), this rank's
+        micro-batches, the frozen models' log-probs, num_iterations updates, the adaptive entropy
+        control. first: the run's first step, whose self-check compares every row (none skipped)."""
+        lo = self.cfg.loss
+        batch, norms, has_signal = phases.advantages(scored, lo, self.device)
+        skip = (
+            self.cfg.trainer.skip_zero_std and not first and not lo.teacher_kl
+        )  # (the teacher trains every row)
+        plan = plan_micro_batches(batch, self.plan, self.cfg, self.dist, skip_zero_std=skip)
+        ref_logps, ref_seconds = self._frozen_logps(self.ref, batch, plan)
+        teacher_logps, teacher_seconds = self._frozen_logps(self.teacher, batch, plan)  # (distillation)
+        check = (
+            selfcheck.FirstStep(self.policy, self.precision.name, self.cfg.sampler.temperature)
+            if first
+            else None
         )
-
-    def reference(self, batch, plan) -> tuple[Any, float]:
-        """The reference model's log-probs [N, C] (None without one) and the seconds they took."""
-        return self._frozen_logps(self.ref, batch, plan)
-
-    def teacher_scores(self, batch, plan) -> tuple[Any, float]:
-        """The teacher's log-probs [N, C] of the batch's completions (None without one), scored
-        with the chunked log-probs as the reference's are, and the seconds they took."""
-        return self._frozen_logps(self.teacher, batch, plan)
+        coef = applied_entropy_coef(self._entropy_coef(), self.state.last_entropy, lo)
+        context = phases.UpdateContext(norms, has_signal, ref_logps, check, teacher_logps, coef)
+        updated = phases.update(batch, plan, context, learner=self)
+        updated.stats.all_reduce(
+            self.dist
+        )  # (every rank then holds the step's stats: the controller's input)
+        seconds = {
+            "reference": ref_seconds,
+            **({"teacher": teacher_seconds} if self.teacher is not None else {}),
+        }
+        return Stepped(batch, updated, seconds, self._adapt_entropy(updated.stats))
 
     def _frozen_logps(self, model, batch, plan) -> tuple[Any, float]:
-        """A frozen model's log-probs [N, C] of the batch's completions (step.reference_logprobs;
-        None when `model` is None) and the seconds they took."""
+        """A frozen model's log-probs [N, C] of the batch's completions (step.reference_logprobs,
+        under the scoring plan; None when `model` is None) and the seconds they took."""
         tick = time.perf_counter()
         if model is None:
             return None, time.perf_counter() - tick
-        t = self.cfg.trainer
-        options = ScoringOptions(
-            self.cfg.sampler.temperature,
-            shared_prompt=self.fast_paths,
-            chunk_size=t.logprob_chunk_size,
-            length_buckets=t.micro_batch_tokens is not None and self.fast_paths,
+        options = self.plan.options(
+            self.cfg.sampler.temperature, chunk_size=self.cfg.trainer.logprob_chunk_size
         )
         logps = phases.reference_logprobs(model, batch, plan, options, self.precision)
         return logps, time.perf_counter() - tick
 
-    def update(self, batch, plan, context: phases.UpdateContext, log) -> phases.Updated:
-        """num_iterations updates on the batch (step.update)."""
-        return phases.update(batch, plan, context, learner=self, log=log)
+    def _entropy_coef(self) -> float:
+        """The adaptive entropy controller's coefficient (loss.entropy_coef until it first adapts)."""
+        return self.cfg.loss.entropy_coef if self.state.entropy_coef is None else self.state.entropy_coef
+
+    def _adapt_entropy(self, stats: UpdateStats) -> dict[str, float]:
+        """TRL's adaptive entropy control after a step: the coefficient moves by this step's entropy
+        (every rank's trained tokens: `stats` is all-reduced, so every rank holds the same state), which
+        the next step's gate reads; the row's `entropy_coef` (TRL's metric: the value after the step).
+        A step that trained no token measured nothing and leaves the state as it was."""
+        lo, state = self.cfg.loss, self.state
+        if not lo.use_adaptive_entropy:
+            return {"entropy_coef": lo.entropy_coef} if lo.entropy_coef else {}
+        if stats.entropy_tokens:
+            entropy = stats.entropy_sum / stats.entropy_tokens
+            state.entropy_coef = adapt_entropy_coef(self._entropy_coef(), entropy, lo)
+            state.last_entropy = entropy
+        return {"entropy_coef": self._entropy_coef()}

@@ -140,9 +140,7 @@ class FirstStep:
         return check.merge(worst)
 
 
-def report(
-    check: LogprobCheck, advantages: torch.Tensor, zero_std: torch.Tensor, micro_batches: int, log
-) -> None:
+def report(check: LogprobCheck, advantages: torch.Tensor, zero_std: torch.Tensor, micro_batches: int) -> str:
     """The self-check's one line: how close the log-probs were, and the advantages' signs."""
     signs = (
         "both signs"
@@ -153,7 +151,7 @@ def report(
             else "one sign only"
         )
     )
-    log.print(
+    return (
         f"self-check ok: {check.describe()} of the first step "
         f"({micro_batches} micro-batch{'es' if micro_batches > 1 else ''}); advantages: {signs}"
     )

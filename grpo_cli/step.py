@@ -33,13 +33,13 @@ from grpo_cli.loss import (
     has_learning_signal,
     loss_normalizers,
     normalize_then_sum,
-    sequence_mask_weights,
-    truncated_importance_weights,
     variant,
     zero_std_groups,
 )
+from grpo_cli.loss.terms import SAMPLER_CORRECTIONS, sampler_weights
 from grpo_cli.metrics import UpdateStats
 from grpo_cli.optim import OptimizerStep, StepResult
+from grpo_cli.packing import MicroBatches
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rewards import Rewards, score
 from grpo_cli.rewards.scoring import TrainerProgress
@@ -249,12 +249,11 @@ def _gather(d: Dist, groups: _Groups | None, device, pad_id: int) -> _Groups:
     )
 
 
-def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[int, int], bool]:
-    """The scored batch (rollout.Batch): the rows' advantages, zero-std flags and group stds
-    (ref 002, 004) and the loss mask (the trained tokens, less truncated completions under
-    loss.mask_truncated_completions); and the step's loss normalisers (num_sequences,
-    num_tokens) and whether it has any learning signal."""
-    train = sampled.train
+def advantages(train: Scored, lo: LossConfig, device) -> tuple[Batch, tuple[int, int], bool]:
+    """The scored batch (rollout.Batch) of a step's training groups (Sampled.train): the rows'
+    advantages, zero-std flags and group stds (ref 002, 004) and the loss mask (the trained tokens,
+    less truncated completions under loss.mask_truncated_completions); and the step's loss
+    normalisers (num_sequences, num_tokens) and whether it has any learning signal."""
     r, G = train.rollout, train.num_generations
     rewards = train.totals.float()  # [N] the loss's rewards are fp32
     # A NaN total: a reward could not score that completion (Reward.nan_ok, e.g. a judge under
@@ -287,61 +286,13 @@ def advantages(sampled: Sampled, lo: LossConfig, device) -> tuple[Batch, tuple[i
     return batch, norms, signal
 
 
-@dataclass
-class MicroBatches:
-    """Row indices of each micro-batch of this rank: whole groups of num_generations consecutive
-    rows (ref 004), less the zero-std groups under loss.zero_std=mask (trainer.skip_zero_std: their
-    loss terms are exactly 0, so they skip the forward and backward; a micro-batch of only such
-    groups is empty and skipped; the engine keeps them on a run's first step, for its
-    self-check). Every rank runs as many (DDP reduces in the last backward, FSDP2's forward and
-    backward are collectives): one with fewer (dynamic sampling kept fewer groups, or more were
-    skipped) makes up the count with stand-ins, a group at weight 0 (index >= real)."""
-
-    rows: list[torch.Tensor]
-    real: int
-
-    def order(self) -> list[int]:
-        """One iteration's micro-batches in a random order, the empty ones left out. (The
-        permutation covers every micro-batch, empty or not, so the skip changes neither the
-        random stream nor the order in which the others accumulate: the update is bit-identical.)"""
-        return [k for k in torch.randperm(len(self.rows)).tolist() if len(self.rows[k])]
-
-
-def micro_batches(
-    batch: Batch,
-    *,
-    prompts_per_step: int,
-    accumulation_steps: int,
-    zero_std_mode: str,
-    d: Dist,
-    skip_zero_std: bool,
-) -> MicroBatches:
-    """This rank's micro-batches of a step of prompts_per_step groups, accumulation_steps of them
-    per update (over all ranks)."""
-    G = batch.num_generations
-    groups = shard(batch.rewards.shape[0] // G, d.rank, d.world_size)
-    per_micro_batch = prompts_per_step // (accumulation_steps * d.world_size)
-    rows = [
-        torch.arange(i * G, min(i + per_micro_batch, groups.stop) * G)
-        for i in range(groups.start, groups.stop, per_micro_batch)
-    ]
-    if zero_std_mode == "mask" and skip_zero_std:
-        zero = batch.zero_std.cpu()  # [N] bool
-        rows = [r[~zero[r]] for r in rows]
-    real, runs = len(rows), sum(len(r) > 0 for r in rows)
-    if d.enabled:
-        rows += [torch.arange(G)] * (int(d.max([runs])[0]) - runs)
-    return MicroBatches(rows, real)
-
-
 def reference_logprobs(
     ref, batch: Batch, plan: MicroBatches, options: ScoringOptions, precision: Precision
 ) -> torch.Tensor:
-    """The reference model's log-probs [N, C] of the batch's completions, micro-batch by
-    micro-batch (with LoRA the reference is the policy with its adapters disabled). Length buckets
-    only where ranks need not run alike (a sharded model's forwards are collectives)."""
+    """A frozen model's (the reference's, the teacher's) log-probs [N, C] of the batch's
+    completions, micro-batch by micro-batch (with LoRA the reference is the policy with its
+    adapters disabled); options: the scoring plan's (packing.ScoringPlan.options)."""
     r = batch.rollout
-    options = replace(options, length_buckets=options.length_buckets and not is_sharded(ref))
     ref_logps = torch.zeros_like(r.sampler_logps)  # [N, C]
     # (FSDP2's all-gathers run under no_grad, not inference mode.)
     with (
@@ -380,6 +331,7 @@ class Updated:
     stats: UpdateStats
     results: list[StepResult]
     seconds: dict[str, float]
+    notes: tuple[str, ...] = ()  # lines for the run's log (the first step's self-check)
 
 
 class Trains(Protocol):
@@ -395,7 +347,7 @@ class Trains(Protocol):
     tolerance: tuple[float, float]
 
 
-def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Trains, log) -> Updated:
+def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Trains) -> Updated:
     """trainer.num_iterations updates on this batch, each accumulating the gradient over the
     shuffled micro-batches, then one optimizer step (learner.opt_step). The training forward
     (learner.scorer) runs under learner.precision's autocast.
@@ -419,9 +371,9 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
     seconds = {"policy": 0.0, "optimizer": 0.0}
     sampler_logps = batch.rollout.sampler_logps  # [N, C]
     old_logps = torch.zeros_like(sampler_logps) if num_iterations > 1 else None  # [N, C]
-    corrects = lo.sampler_correction in ("tis", "sequence_mask")
+    corrects = lo.sampler_correction in SAMPLER_CORRECTIONS
     is_weights = torch.ones_like(sampler_logps) if corrects else None  # [N, C]
-    results, check = [], None
+    results, check, notes = [], None, ()
     for iteration in range(num_iterations):
         order = plan.order()
         loss_total = 0.0
@@ -450,15 +402,12 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
                     scores.behaviour, r.sampler_logps, r.trained_mask, learner.tolerance
                 )
                 updates.add_mismatch(mismatch, len(rows))
-                if lo.sampler_correction == "tis":
-                    is_weights[rows, :C] = truncated_importance_weights(
-                        scores.behaviour, r.sampler_logps, r.trained_mask, cap=lo.tis_cap
+                if corrects:  # loss.sampler_correction's weights (loss.terms.sampler_weights)
+                    is_weights[rows, :C], masked = sampler_weights(
+                        scores.behaviour, r.sampler_logps, r.trained_mask, cfg=lo
                     )
-                elif lo.sampler_correction == "sequence_mask":
-                    is_weights[rows, :C] = sequence_mask_weights(
-                        scores.behaviour, r.sampler_logps, r.trained_mask, cap=lo.tis_cap, floor=lo.tis_min
-                    )
-                    updates.add_masked(int((is_weights[rows, 0] == 0).sum()))
+                    if masked is not None:  # (sequence_mask: the rows it masked)
+                        updates.add_masked(masked)
                 if ctx.self_check is not None:
                     check = ctx.self_check.micro_batch(mismatch, r, check)
             else:
@@ -482,7 +431,7 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
             loss_total += float(loss.detach())
             updates.add(stats, scores.entropy.detach(), r.trained_mask)
         if iteration == 0 and check is not None:
-            selfcheck.report(check, batch.advantages, batch.zero_std, len(plan.rows), log)
+            notes = (selfcheck.report(check, batch.advantages, batch.zero_std, len(plan.rows)),)
         seconds["policy"] += time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -491,4 +440,4 @@ def update(batch: Batch, plan: MicroBatches, ctx: UpdateContext, *, learner: Tra
         results.append(result)
         if result.applied:
             seconds["optimizer"] += time.perf_counter() - tick
-    return Updated(updates, results, seconds)
+    return Updated(updates, results, seconds, notes)

@@ -18,7 +18,14 @@ from grpo_cli.config import Config, LossConfig, SamplerConfig, TrainerConfig
 from grpo_cli.distributed import Dist
 from grpo_cli.logprobs import ScoringOptions, TokenLogprobs, length_buckets, score_tokens, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.packing import GroupShape, micro_batch_cost, pack_groups, token_micro_batches
+from grpo_cli.packing import (
+    GroupShape,
+    MicroBatches,
+    ScoringPlan,
+    micro_batch_cost,
+    pack_groups,
+    token_micro_batches,
+)
 from grpo_cli.precision import resolve_precision
 from grpo_cli.rollout import Batch, Rollout
 from grpo_cli.samplers.builtin import sample
@@ -116,7 +123,7 @@ def _batch(r: Rollout) -> Batch:
     )
 
 
-def _gradients(model, batch: Batch, plan: step.MicroBatches, lo: LossConfig, buckets: bool = False):
+def _gradients(model, batch: Batch, plan: MicroBatches, lo: LossConfig, buckets: bool = False):
     r = batch.rollout
     ref_logps = torch.where(r.trained_mask.bool(), r.sampler_logps - 0.01, torch.zeros_like(r.sampler_logps))
     opt = _GradientsKept(model)
@@ -135,7 +142,6 @@ def _gradients(model, batch: Batch, plan: step.MicroBatches, lo: LossConfig, buc
             precision=resolve_precision("fp32", torch.device("cpu"), adapted=False),
             tolerance=(1e-4, 5e-4),
         ),
-        log=None,
     )
     return opt.grads, updated.stats
 
@@ -159,14 +165,13 @@ def test_a_token_budget_gives_the_equal_splits_gradient(tiny, loss, dtype, bucke
     batch = _batch(_rollout(model, tok))
     model = copy.deepcopy(model).to(dtype)
     lo = LossConfig(beta=0.04, sampler_correction="tis", **loss)
-    one = step.MicroBatches([torch.arange(24)], 1)
-    three = step.MicroBatches([torch.arange(i, i + 8) for i in range(0, 24, 8)], 3)
-    rows, real = token_micro_batches(
-        batch, budget=80, skip=None, d=Dist(), prompt_once=True, bucketed=buckets
-    )
+    one = MicroBatches([torch.arange(24)], 1)
+    three = MicroBatches([torch.arange(i, i + 8) for i in range(0, 24, 8)], 3)
+    plan = ScoringPlan(length_buckets=buckets, token_budget=80)
+    rows, real = token_micro_batches(batch, plan=plan, skip=None, d=Dist())
     assert real == len(rows) > (1 if buckets else 3) and all(len(r) % G == 0 for r in rows)
     assert sorted(torch.cat(rows).tolist()) == list(range(24))
-    budget = step.MicroBatches(rows, real)
+    budget = MicroBatches(rows, real)
     (g1, s1), (g3, _) = (_gradients(model, batch, plan, lo) for plan in (one, three))
     gb, sb = _gradients(model, batch, budget, lo, buckets)
     assert len(g1) == len(gb) > 0 and any(bool(g.abs().sum() > 0) for g in g1)
@@ -227,13 +232,15 @@ def test_every_rank_runs_as_many_micro_batches_and_each_group_trains_once(tiny, 
     batch = _batch(_rollout(model, tok))
     skip = batch.zero_std.clone()
     plans = [
-        token_micro_batches(batch, budget=80, skip=skip, d=Dist(rank=k, world_size=world), prompt_once=True)
+        token_micro_batches(
+            batch, plan=ScoringPlan(token_budget=80), skip=skip, d=Dist(rank=k, world_size=world)
+        )
         for k in range(world)
     ]
     assert len({len(rows) for rows, _ in plans}) == 1  # the same count: DDP's last backward, FSDP2
     wide = [
         token_micro_batches(
-            batch, budget=10**6, skip=None, d=Dist(rank=k, world_size=world), prompt_once=True
+            batch, plan=ScoringPlan(token_budget=10**6), skip=None, d=Dist(rank=k, world_size=world)
         )
         for k in range(world)
     ]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import TESTS, console_script, grpo, run_cli, tiny
+from conftest import TESTS, console_script, grpo, run_cli, tiny, train_here
 
 from grpo_cli.rewards import RewardError, build_rewards, score_rewards
 
@@ -189,7 +189,7 @@ def test_a_group_with_a_nan_reward_is_left_out_of_the_loss():
 
     from grpo_cli.config.schema import LossConfig
     from grpo_cli.rollout import single_turn
-    from grpo_cli.step import Sampled, advantages
+    from grpo_cli.step import advantages
 
     G, C = 2, 3
     ones = torch.ones(6, C, dtype=torch.long)
@@ -198,20 +198,19 @@ def test_a_group_with_a_nan_reward_is_left_out_of_the_loss():
         torch.zeros(6, dtype=torch.bool), torch.zeros(6, C),
     )  # fmt: skip
     rewards = scored_rows(rollout, [1.0, 0.0, float("nan"), 1.0, 0.0, 1.0])
-    batch, (sequences, tokens), signal = advantages(
-        Sampled(train=rewards, drawn=rewards), LossConfig(), "cpu"
-    )
+    batch, (sequences, tokens), signal = advantages(rewards, LossConfig(), "cpu")
     assert batch.advantages[2:4].tolist() == [0.0, 0.0] and batch.loss_mask[2:4].sum() == 0
     assert batch.zero_std[2:4].all() and signal
     clean_rows = scored_rows(rollout, [1.0, 0, 0, 0, 0, 1])
-    clean, _, _ = advantages(Sampled(train=clean_rows, drawn=clean_rows), LossConfig(), "cpu")
+    clean, _, _ = advantages(clean_rows, LossConfig(), "cpu")
     assert batch.advantages[[0, 1, 4, 5]].tolist() == clean.advantages[[0, 1, 4, 5]].tolist()
     assert tokens == 4 * C and sequences == 4
 
 
 def test_grpo_train_with_a_reward_model_and_an_async_reward(tmp_path, reward_model):
     """A tiny run scored by a reward model and an async function: it trains (the weights move),
-    logs each reward's time and the model's scores, and scores the same on two processes."""
+    logs each reward's time and the model's scores, and scores the same on two processes. (The one
+    process run trains here, as grpo-train would; the two-process one needs its processes.)"""
     from safetensors.torch import load_file
 
     from grpo_cli.models import build_tiny
@@ -227,11 +226,10 @@ def test_grpo_train_with_a_reward_model_and_an_async_reward(tmp_path, reward_mod
         "trainer.eval_before=false",
         "data.eval_size=0",
     )
-    runs = {}
-    for name, extra in [("one", []), ("two", ["trainer.num_processes=2"])]:
-        runs[name] = tmp_path / name
-        res = grpo([*base, *extra, f"hydra.run.dir={runs[name]}"], tmp_path)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    runs = {"one": tmp_path / "one", "two": tmp_path / "two"}
+    train_here(base, runs["one"])  # (a failure raises)
+    res = grpo([*base, "trainer.num_processes=2", f"hydra.run.dir={runs['two']}"], tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {
         name: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         for name, run in runs.items()
@@ -296,18 +294,19 @@ JUDGED = (
 )
 
 
+@pytest.mark.slow  # an end-to-end run (in this process)
 def test_grpo_train_with_a_judge_that_fails_once_masks_that_group_and_counts_it(tmp_path):
     """A judge served by a real HTTP server (the test's own) in a training run: its first call
     gets a 500, which under on_error=nan masks that completion's group (rewards/failed_groups)
-    and is counted; every completion is one call; the run trains on."""
+    and is counted; every completion is one call; the run trains on. (In this process, as
+    grpo-train would train; a failure raises.)"""
     from grpo_cli.testing.judge_server import JudgeServer
 
     with JudgeServer(
         reply=lambda request: str(len(request["messages"][-1]["content"]) % 11), plan=["500"]
     ) as server:
         run = tmp_path / "run"
-        res = grpo([*tiny(*JUDGED, f"reward.judge.base_url={server.url}"), f"hydra.run.dir={run}"], tmp_path)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        train_here(tiny(*JUDGED, f"reward.judge.base_url={server.url}"), run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward" in r]
     assert [r["rewards/judge/calls"] for r in rows] == [8, 8] and server.count == 16

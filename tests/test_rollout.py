@@ -20,6 +20,7 @@ from grpo_cli.logprobs import TokenLogprobs, token_logprobs
 from grpo_cli.metrics import UpdateReport, step_row
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
 from grpo_cli.optim import StepResult
+from grpo_cli.packing import MicroBatches
 from grpo_cli.precision import resolve_precision
 from grpo_cli.rollout import Batch, Rollout, concat, select
 from grpo_cli.samplers.builtin import sample
@@ -115,7 +116,7 @@ def _update(model, r: Rollout, garbage: float, monkeypatch):
     opt = _GradientsKept(model)
     updated = step.update(
         batch,
-        step.MicroBatches([torch.arange(4)], 1),
+        MicroBatches([torch.arange(4)], 1),
         step.UpdateContext(
             (4, int(r.trained_mask.sum())), True, ref_logps, selfcheck.FirstStep(model, "fp32", 1.0)
         ),
@@ -128,7 +129,6 @@ def _update(model, r: Rollout, garbage: float, monkeypatch):
             precision=precision,
             tolerance=(1e-4, 5e-4),
         ),
-        log=type("Log", (), {"print": staticmethod(lambda *a: None)})(),
     )
     return updated, calls, opt.grads
 

@@ -38,9 +38,16 @@ from grpo_cli.logprobs.forward import (
     padding_bounds,
     position_ids_from_mask,
     prefill,
+    prompt_runs_once,
     row_lengths,
 )
-from grpo_cli.logprobs.score import TokenLogprobs, score_tokens, token_logprobs
+from grpo_cli.logprobs.score import (
+    TokenLogprobs,
+    groups_share_prompts,
+    score_tokens,
+    shared_prompt_groups,
+    token_logprobs,
+)
 from grpo_cli.logprobs.whole import (
     ScoringOptions,
     TokenScores,
@@ -69,8 +76,11 @@ __all__ = [
     "padding_bounds",
     "position_ids_from_mask",
     "prefill",
+    "prompt_runs_once",
     "row_lengths",
     "score_tokens",
+    "groups_share_prompts",
+    "shared_prompt_groups",
     "selective_logprobs",
     "token_logprobs",
     "token_scores",

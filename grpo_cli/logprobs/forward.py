@@ -70,6 +70,14 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     return cache, logits
 
 
+def prompt_runs_once(model) -> bool:
+    """Whether a scoring forward of this model may run a group's prompt once and share its KV cache
+    (a checkpointed model recomputes its layers in the backward and keeps no cache: it runs full
+    rows). The one place this is decided: the forward below and the scoring plan
+    (packing.scoring_plan) read it."""
+    return not checkpointing(model)
+
+
 def checkpointing(model) -> bool:
     """Whether gradient (activation) checkpointing is on: transformers 5 renamed the attribute
     and warns on the old name."""
@@ -125,7 +133,7 @@ def _forward_logits(
     G = group_size
     if B % G:
         raise ValueError(f"_forward_logits: {B} rows are not groups of num_generations={G}")
-    use_cache = G > 1 and not checkpointing(model)
+    use_cache = G > 1 and prompt_runs_once(model)
     if buckets is not None and (len(buckets) > 1 or use_cache):
         return _tempered(
             _bucketed(

@@ -151,10 +151,17 @@ class TokenLogprobs(torch.nn.Module):
         )  # TokenScores: [b, C] each
 
 
-def groups_share_prompts(prompt_ids: torch.Tensor, G: int) -> bool:
-    """Whether each group of G consecutive rows of prompt_ids [B, P] holds one prompt (the
-    left-padded ids equal: the masks then are too)."""
+def shared_prompt_groups(prompt_ids: torch.Tensor, G: int) -> list[bool]:
+    """Per group of G consecutive rows of prompt_ids [B, P]: whether its rows hold one prompt (the
+    left-padded ids equal: the masks then are too). The one test of it: the scorer (whether a
+    micro-batch's prompts run once) and the packer (what a group costs) read it."""
     B, P = prompt_ids.shape
+    return (prompt_ids.view(B // G, G, P) == prompt_ids[::G].unsqueeze(1)).all(-1).all(-1).tolist()
+
+
+def groups_share_prompts(prompt_ids: torch.Tensor, G: int) -> bool:
+    """Whether every group of G consecutive rows of prompt_ids [B, P] holds one prompt."""
+    B, _ = prompt_ids.shape
     if G <= 1 or B % G:
         return True  # (rows that are not whole groups: _forward_logits refuses them)
-    return bool((prompt_ids.view(B // G, G, P) == prompt_ids[::G].unsqueeze(1)).all())
+    return all(shared_prompt_groups(prompt_ids, G))

@@ -263,6 +263,27 @@ def truncated_importance_weights(
     return torch.exp(diff).clamp(max=cap)  # [B, T]
 
 
+#: loss.sampler_correction's values that weight the policy term (sampler_weights); the others
+#: ("none", and "auto" once resolved to one of these or none) leave it as it is.
+SAMPLER_CORRECTIONS = ("tis", "sequence_mask")
+
+
+def sampler_weights(
+    behaviour: Tensor, sampler_logps: Tensor, mask: Tensor, *, cfg
+) -> tuple[Tensor, int | None]:
+    """loss.sampler_correction's per-token weights of the policy term ``[B, T]`` for the sampler's
+    mismatch (behaviour: the trainer's replay of the distribution the tokens were drawn from,
+    TokenScores.behaviour), and the rows they mask (None where the correction masks none): TIS's
+    truncated ratio (truncated_importance_weights) or the sequence mask's 0/1 rows
+    (sequence_mask_weights). cfg: the loss section (its correction one of SAMPLER_CORRECTIONS)."""
+    if cfg.sampler_correction == "tis":
+        return truncated_importance_weights(behaviour, sampler_logps, mask, cap=cfg.tis_cap), None
+    if cfg.sampler_correction == "sequence_mask":
+        weights = sequence_mask_weights(behaviour, sampler_logps, mask, cap=cfg.tis_cap, floor=cfg.tis_min)
+        return weights, int((weights[:, 0] == 0).sum())
+    raise ValueError(f"sampler_weights: loss.sampler_correction={cfg.sampler_correction!r} weights nothing")
+
+
 # ---------------------------------------------------------------------------------------------
 # CISPO and SAPO (TRL 1.16, trl/trainer/grpo_trainer.py, _compute_loss; docs/reference.md)
 
