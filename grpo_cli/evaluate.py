@@ -12,7 +12,7 @@ from grpo_cli.data import Example
 from grpo_cli.environments.episodes import episode_metrics
 from grpo_cli.environments.path import RolloutPath
 from grpo_cli.errors import UserError
-from grpo_cli.rewards import correctness, score
+from grpo_cli.rewards import correctness
 from grpo_cli.rollout import select as select_rollout
 from grpo_cli.scored import Scored, concat
 
@@ -34,10 +34,8 @@ def grade(
     with path.sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
-            try:
-                scored = score(rewards, tokenizer, chunk, path.draw(chunk, num_generations=G, greedy=greedy))
-            finally:
-                path.close_environments()
+            drawn = path.draw_for_scoring(chunk, num_generations=G, greedy=greedy)
+            scored = path.score(drawn, chunk, rewards, tokenizer)
             parts.append(replace(scored, prompt_index=scored.prompt_index + start))
     return concat(parts, tokenizer.pad_token_id) if parts else None
 

@@ -58,12 +58,6 @@ class Rollout:
     # The names of episode_stats' S columns (the episode loop's counters, then the environment's
     # own declared metrics); () for a single-turn draw.
     stat_names: tuple[str, ...] = ()
-    # Not tensors, and held only until the rollout is scored (rewards.score drops them): per row,
-    # the prompt as the episode's environment reset it (chat messages; None: the example's own),
-    # which the rewards get as `prompts`; and the episode's environment, still open, which the
-    # rewards get as `environments` (TRL's keyword), closed once they are scored. () for none.
-    reset_prompts: tuple = ()
-    environments: tuple = ()
 
     def __post_init__(self):
         N, C = self.completion_ids.shape
@@ -78,9 +72,6 @@ class Rollout:
             raise ValueError(
                 f"Rollout: episode_stats has {self.episode_stats.shape[1]} columns for the names {self.stat_names}"
             )
-        for name in ("reset_prompts", "environments"):
-            if len(getattr(self, name)) not in (0, N):
-                raise ValueError(f"Rollout.{name} has {len(getattr(self, name))} entries for {N} rows")
         if bool((self.trained_mask.bool() & ~self.attention_mask.bool()).any()):
             raise ValueError(
                 "Rollout: a trained token must be attended to (trained_mask within attention_mask)"
@@ -161,16 +152,10 @@ def _map_tensors(record, fn, **changes):
 def select(rollout: Rollout, rows: torch.Tensor, num_generations: int | None = None) -> Rollout:
     """The given rows (index tensor [n]): whole groups of the rollout's G, or `num_generations`
     rows of one prompt (a group chosen from several rounds)."""
-    picked = rows.tolist()
     return _map_tensors(
         rollout,
         lambda t: t[rows],
         num_generations=num_generations or rollout.num_generations,
-        **{
-            name: tuple(getattr(rollout, name)[i] for i in picked)
-            for name in ("reset_prompts", "environments")
-            if getattr(rollout, name)
-        },
     )
 
 
@@ -205,14 +190,26 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         episode_stats=torch.cat([r.episode_stats for r in rollouts]),
         env_reward=torch.cat([r.env_reward for r in rollouts]),
         stat_names=rollouts[0].stat_names,
-        reset_prompts=_joined([r.reset_prompts for r in rollouts]),
-        environments=_joined([r.environments for r in rollouts]),
     )
 
 
-def _joined(parts: list[tuple]) -> tuple:
-    """Per-row objects of several rollouts, joined where every one has them."""
-    return tuple(x for part in parts for x in part) if all(parts) else ()
+@dataclass(frozen=True)
+class Drawn:
+    """A rollout as drawn, and beside it what only its rewards read, held until they have scored it
+    (environments.path.RolloutPath.score): per row, the prompt as the episode's environment reset it
+    (chat messages; None: the example's own), which the rewards get as `prompts`; and the episode's
+    environment, still open, which the rewards get as `environments` (TRL's keyword), closed once
+    they have scored. () for none (a single-turn draw, or no reward takes them)."""
+
+    rollout: Rollout
+    reset_prompts: tuple = ()
+    environments: tuple = ()
+
+    def __post_init__(self):
+        N = self.rollout.completion_ids.shape[0]
+        for name in ("reset_prompts", "environments"):
+            if len(getattr(self, name)) not in (0, N):
+                raise ValueError(f"Drawn.{name} has {len(getattr(self, name))} entries for {N} rows")
 
 
 @dataclass(frozen=True)

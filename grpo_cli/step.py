@@ -41,7 +41,7 @@ from grpo_cli.metrics import UpdateStats
 from grpo_cli.optim import OptimizerStep, StepResult
 from grpo_cli.packing import MicroBatches
 from grpo_cli.precision import Precision, autocast
-from grpo_cli.rewards import Rewards, score
+from grpo_cli.rewards import Rewards
 from grpo_cli.rewards.scoring import TrainerProgress
 from grpo_cli.rollout import Batch
 from grpo_cli.scored import Scored, merge_rank_counters
@@ -176,7 +176,7 @@ def _sample_groups(
         tick = time.perf_counter()
         with c.path.sampler.sampling():  # (every process enters: FSDP2 gathers the weights)
             if pending:
-                rollout = c.path.draw(
+                drawn = c.path.draw_for_scoring(
                     [examples[j] for j in pending],
                     seeds=[prompt_seed(c.seed, step, indices[j], round) for j in pending],
                     num_generations=G,
@@ -185,10 +185,7 @@ def _sample_groups(
         seconds["rollout"] += time.perf_counter() - tick
         if pending:
             tick = time.perf_counter()
-            try:
-                scored = score(c.rewards, c.tokenizer, [examples[j] for j in pending], rollout, c.progress)
-            finally:
-                c.path.close_environments()
+            scored = c.path.score(drawn, [examples[j] for j in pending], c.rewards, c.tokenizer, c.progress)
             seconds["reward"] += time.perf_counter() - tick
             scored_rounds.append(scored)
             for n, j in enumerate(pending):

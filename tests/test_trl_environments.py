@@ -237,7 +237,7 @@ def sees_environments(prompts, completions, environments, **kwargs):
 def test_rewards_get_the_environments_open_and_the_prompts_the_resets_made(tiny_model):
     """A reward naming `environments` gets each episode's TRL instance, still open (closed once
     the rollout is scored), and `prompts` whose last user message carries the reset's text."""
-    from grpo_cli.rewards import build_rewards, score
+    from grpo_cli.rewards import build_rewards
 
     _, tok = tiny_model
     CLOSED.clear()
@@ -250,15 +250,14 @@ def test_rewards_get_the_environments_open_and_the_prompts_the_resets_made(tiny_
     )
     path.episodes.keep_open = True
     examples = _examples(tok)  # answers 5 and 3
-    rollout = path.draw(examples, seeds=[0, 1], num_generations=2)
-    assert CLOSED == [] and len(rollout.environments) == 4
-    scored = score(rewards, tok, examples, rollout)
-    path.close_environments()
+    drawn = path.draw_for_scoring(examples, seeds=[0, 1], num_generations=2)
+    assert CLOSED == [] and len(drawn.environments) == 4
+    scored = path.score(drawn, examples, rewards, tok)  # (then closes them)
     prompts, envs, closed_then = SEEN[0]
     assert closed_then == [] and all(isinstance(e, Counter) for e in envs) and len(set(map(id, envs))) == 4
     assert prompts[0][-1]["content"].endswith("What is 2 plus 3? Reach 5.")
     assert prompts[3][-1]["content"].endswith("What is 4 minus 1? Reach 3.")
-    assert scored.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0] and scored.rollout.environments == ()
+    assert scored.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0] and not hasattr(scored.rollout, "environments")
     assert sorted(CLOSED) == sorted(map(id, envs))
 
 

@@ -29,7 +29,7 @@ import torch
 from grpo_cli.environments import ACTION_NOT_CUT, ROUTE_COLUMN, Reply, call_with_timeout
 from grpo_cli.environments.rendering import Rendering
 from grpo_cli.errors import UserError
-from grpo_cli.rollout import ROLE_CODES, Rollout, left_pad
+from grpo_cli.rollout import ROLE_CODES, Drawn, Rollout, left_pad
 from grpo_cli.samplers import Sampler, Turn
 
 #: Per-episode counts on Rollout.episode_stats, in this order.
@@ -159,7 +159,9 @@ class Episodes:
     # ------------------------------------------------------------------ the episodes
 
     def run(self, sampler: Sampler, examples, *, seeds, num_generations: int, greedy=False, ignore_eos=False):
-        """The G episodes of each example (data.Example), as one Rollout (rows grouped by example).
+        """The G episodes of each example (data.Example), as one rollout (rows grouped by example)
+        with, beside it, the prompts their resets made and (keep_open) their open environments
+        (rollout.Drawn).
         Every episode's environment is closed at the end (close(), where it has one), however the
         episodes ended."""
         G = num_generations
@@ -183,7 +185,11 @@ class Episodes:
             self._open += episodes
         else:
             self._close(episodes)
-        return self._rollout(prompts, episodes, G, env_reward, rules.metrics)
+        return Drawn(
+            self._rollout(prompts, episodes, G, env_reward, rules.metrics),
+            reset_prompts=tuple(e.reset_prompt for e in episodes),
+            environments=tuple(_instance(e.env) for e in episodes) if self.keep_open else (),
+        )
 
     def close_open(self) -> None:
         """Close the environments kept open for the rewards (keep_open) since the last call: after
@@ -396,8 +402,6 @@ class Episodes:
             ),
             env_reward=torch.tensor(env_reward, dtype=torch.float32),
             stat_names=(*STAT_COLUMNS, *metrics),
-            reset_prompts=tuple(e.reset_prompt for e in episodes),
-            environments=tuple(_instance(e.env) for e in episodes) if self.keep_open else (),
         )
 
 

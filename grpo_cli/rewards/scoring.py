@@ -15,7 +15,7 @@ import numbers
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.calls import call_with_timeout
@@ -404,10 +404,13 @@ def score_examples(
     stats: dict | None = None,
     progress: TrainerProgress | None = None,
     logs: Logs | None = None,
+    reset_prompts: tuple = (),
+    environments: tuple = (),
 ):
     """Rewards of a rollout.Rollout whose rows are its num_generations completions per example, in
     order; returns (the completions' texts, weighted totals, values per reward). `stats`,
-    `progress`, `logs`: as in score_rewards."""
+    `progress`, `logs`: as in score_rewards; `reset_prompts`, `environments`: what the draw holds
+    beside the rollout (rollout.Drawn), per row, or ()."""
     num_generations = rollout.num_generations
     texts = decode_completions(tokenizer, rollout.completion_ids, rollout.attention_mask)
     columns: dict[str, list] = {}
@@ -417,7 +420,7 @@ def score_examples(
     prompts = [ex.prompt for ex in examples for _ in range(num_generations)]
     # The rewards see each episode's prompt as its environment's reset made it (TRL's `prompts`
     # after reset); the form of the completions follows the example's own prompt.
-    shown = [p if r is None else r for p, r in zip(prompts, rollout.reset_prompts or [None] * len(prompts))]
+    shown = [p if r is None else r for p, r in zip(prompts, reset_prompts or [None] * len(prompts))]
     completion_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.attention_mask)
     ]
@@ -438,7 +441,7 @@ def score_examples(
         completion_ids=completion_ids,
         columns=columns,
         env_reward=env_reward,
-        environments=list(rollout.environments) or None,
+        environments=list(environments) or None,
         stats=stats,
         progress=progress,
         logs=logs,
@@ -446,11 +449,22 @@ def score_examples(
     return texts, total, per_reward
 
 
-def score(rewards, tokenizer, examples: list[Example], rollout, progress: TrainerProgress | None = None):
+def score(
+    rewards,
+    tokenizer,
+    examples: list[Example],
+    rollout,
+    progress: TrainerProgress | None = None,
+    *,
+    reset_prompts: tuple = (),
+    environments: tuple = (),
+):
     """A rollout whose rows are num_generations completions per example, in order, scored into one
     frozen record (scored.Scored): every reward's value, the weighted totals, the pass rule and the
     accuracy rule's rows, the rows' prompts (indices into `examples`), and the call's per-reward
-    time, counters, log_metric values and log_extra columns. `progress`: the rewards' trainer_state."""
+    time, counters, log_metric values and log_extra columns. `progress`: the rewards' trainer_state;
+    `reset_prompts`, `environments`: what the draw holds beside the rollout (rollout.Drawn), for
+    the rewards that read them. (RolloutPath.score calls this and then closes the environments.)"""
     import torch
 
     from grpo_cli.scored import Scored
@@ -459,7 +473,15 @@ def score(rewards, tokenizer, examples: list[Example], rollout, progress: Traine
     logs = Logs()
     if len(rewards):
         _, totals, per_reward = score_examples(
-            rewards, tokenizer, examples, rollout, stats=counters, progress=progress, logs=logs
+            rewards,
+            tokenizer,
+            examples,
+            rollout,
+            stats=counters,
+            progress=progress,
+            logs=logs,
+            reset_prompts=reset_prompts,
+            environments=environments,
         )
     else:  # no reward at all (on-policy distillation alone: the teacher trains): every total 0
         totals, per_reward = [0.0] * rollout.completion_ids.shape[0], {}
@@ -467,7 +489,7 @@ def score(rewards, tokenizer, examples: list[Example], rollout, progress: Traine
     device, N = rollout.completion_ids.device, len(totals)
     values = [[math.nan if v is None else v for v in column] for column in per_reward.values()]  # [R][N]
     return Scored(
-        rollout=replace(rollout, reset_prompts=(), environments=()),  # (the objects: only for scoring)
+        rollout=rollout,
         names=tuple(per_reward),
         values=torch.tensor(values, dtype=torch.float64, device=device).reshape(len(values), N).T,
         totals=torch.tensor(totals, dtype=torch.float64, device=device),
