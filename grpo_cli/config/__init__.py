@@ -19,7 +19,7 @@ import dataclasses
 import os
 import secrets
 import typing
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -57,22 +57,19 @@ RUN_ID = f"{os.getpid()}{secrets.token_hex(2)}"
 
 
 def reward_node(name: str, options: type) -> type:
-    """The typed config node of a built-in reward: weight, fn and role (rewards.ROLES; None: the
-    reward's own), workers and call_timeout_s (how it is called: rewards.RewardSpec), and the
-    reward's Options dataclass, the one place their defaults live."""
-    hints = typing.get_type_hints(options)
-    return dataclasses.make_dataclass(
-        f"{name.capitalize()}Reward",
-        [
-            ("weight", float, dataclasses.field(default=1.0)),
-            ("fn", Optional[str], dataclasses.field(default=None)),
-            ("role", Optional[str], dataclasses.field(default=None)),
-            ("workers", int, dataclasses.field(default=0)),
-            ("call_timeout_s", Optional[float], dataclasses.field(default=None)),
+    """The typed config node of a built-in reward: the keys every reward has (rewards.base.Node:
+    weight, fn, role, workers, call_timeout_s) and the reward's Options dataclass, each the one
+    place its keys' defaults live."""
+    from grpo_cli.rewards.base import Node  # (the node keys, written once there)
+
+    def typed_fields(record: type) -> list:
+        hints = typing.get_type_hints(record)
+        return [
+            (f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(record)
         ]
-        + [
-            (f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(options)
-        ],
+
+    return dataclasses.make_dataclass(
+        f"{name.capitalize()}Reward", typed_fields(Node) + typed_fields(options)
     )
 
 
