@@ -34,8 +34,8 @@ from grpo_cli.health import HealthMonitor
 from grpo_cli.metrics import MetricsLogger, UpdateReport, UpdateStats, step_row
 from grpo_cli.optim import StepResult
 from grpo_cli.rewards import conversation, decode_completions
-from grpo_cli.rollout import Batch
 from grpo_cli.samples import Completions, step_records
+from grpo_cli.scored import Batch
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 

@@ -379,7 +379,7 @@ class UpdateReport:
 
 def step_row(step: int, batch, sampled, report: UpdateReport) -> dict[str, Any]:
     """One training step's metrics row (TRL's names where TRL has one). `batch` is the scored
-    batch trained on (rollout.Batch); `sampled` what the step drew in all (step.Sampled: every
+    batch trained on (scored.Batch); `sampled` what the step drew in all (step.Sampled: every
     sampled completion scored, the zero-std count); `report`: its update and times. Token counts
     are of the trained tokens (Rollout.trained_mask); lengths count every completion-side token."""
 

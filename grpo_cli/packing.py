@@ -17,7 +17,7 @@ The token budget's rules:
 
 - A group's cost is the tokens its forward runs: its prompt once (the scorer forwards a group's
   shared prompt once, logprobs/forward.py) plus G completions at the micro-batch's completion width
-  (rows are padded to the micro-batch's longest attended column, rollout.Batch.rows). Where the
+  (rows are padded to the micro-batch's longest attended column, scored.Batch.rows). Where the
   prompt is not forwarded once (gradient checkpointing, or a group whose episodes reset to other
   prompts), G prompts.
 - The budget counts padded tokens, not only the real ones: a group of one 256-token completion and
@@ -56,7 +56,7 @@ from grpo_cli.logprobs import (
     row_lengths,
     shared_prompt_groups,
 )
-from grpo_cli.rollout import Batch
+from grpo_cli.scored import Batch
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class Rollouts:
 
 @dataclass(frozen=True)
 class Stepped:
-    """What Learner.step did with one step's scored draw: the batch it trained on (rollout.Batch),
+    """What Learner.step did with one step's scored draw: the batch it trained on (scored.Batch),
     the updates (step.Updated: stats, each optimizer step's result, the notes for the log), the
     seconds its frozen models took (reference; teacher, where there is one), and the adaptive
     entropy control's row (entropy_coef, where it applies)."""

@@ -212,36 +212,14 @@ class Drawn:
                 raise ValueError(f"Drawn.{name} has {len(getattr(self, name))} entries for {N} rows")
 
 
-@dataclass(frozen=True)
-class Batch:
-    """A scored rollout: what one step trains on, built whole (step.advantages) once its rewards
-    and advantages are known, never changed after."""
-
-    rollout: Rollout
-    rewards: torch.Tensor  # [N] weighted total reward
-    reward_values: torch.Tensor  # [N, R] each configured reward's value, NaN where it returned None
-    prompt_index: torch.Tensor  # [N] long: the row's prompt, an index into the step's drawn examples
-    advantages: torch.Tensor  # [N] per group (loss.group_advantages), detached
-    zero_std: torch.Tensor  # [N] bool: the row's group carries no signal
-    group_std: torch.Tensor  # [N] the row's group reward std
-    # [N, C] the trained tokens that enter the loss: trained_mask, less the rows of truncated
-    # completions under loss.mask_truncated_completions.
-    loss_mask: torch.Tensor
-
-    @property
-    def num_generations(self) -> int:
-        return self.rollout.num_generations
-
-    def rows(self, index: torch.Tensor) -> Batch:
-        """A micro-batch: the rows `index` [n] (whole groups), without the prompt columns that are
-        padding in all of them and the completion columns past their last attended token."""
-        sub = _map_tensors(self, lambda t: t[index])
-        r = select(self.rollout, index)
-        first, used = padding_bounds(r.prompt_mask, r.attention_mask)
-        r = replace(
-            r,
-            prompt_ids=r.prompt_ids[:, first:],  # [n, P']
-            prompt_mask=r.prompt_mask[:, first:],
-            **{name: getattr(r, name)[:, :used] for name in _COMPLETION_COLUMNS},  # [n, C']
-        )
-        return replace(sub, rollout=r, loss_mask=sub.loss_mask[:, :used])
+def trimmed(r: Rollout) -> tuple[Rollout, int]:
+    """The rollout without the prompt columns that are padding in every row and the completion
+    columns past the last attended token, and how many completion columns it keeps (C')."""
+    first, used = padding_bounds(r.prompt_mask, r.attention_mask)
+    r = replace(
+        r,
+        prompt_ids=r.prompt_ids[:, first:],  # [n, P']
+        prompt_mask=r.prompt_mask[:, first:],
+        **{name: getattr(r, name)[:, :used] for name in _COMPLETION_COLUMNS},  # [n, C']
+    )
+    return r, used

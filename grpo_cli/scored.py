@@ -2,8 +2,8 @@
 
 Training, grpo-train's held-out evaluation and grpo-eval all read a draw's scores from this one
 record. Dynamic sampling and adaptive group sizes are selections and concatenations of records
-(`select`, `concat`; `gather` joins the ranks'), and the advantages batch (rollout.Batch) is a
-record's rows plus their advantages. Its values are float64, so the means computed from them are
+(`select`, `concat`; `gather` joins the ranks'), and the advantages batch (`Batch`) is a record
+plus what the advantages add, nothing copied. Its values are float64, so the means computed from them are
 the rewards' own Python floats, bit for bit.
 
     N rows, in groups of rollout.num_generations (G) consecutive rows that share one prompt;
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from grpo_cli.rollout import Rollout
+from grpo_cli.rollout import Rollout, trimmed
 from grpo_cli.rollout import concat as concat_rollouts
 from grpo_cli.rollout import select as select_rollout
 
@@ -143,3 +143,53 @@ def merge_rank_counters(parts: Sequence[Mapping[str, float]]) -> dict[str, float
 
 def to(record: Scored, device) -> Scored:
     return replace(record, rollout=record.rollout.to(device), **_tensors(record, lambda t: t.to(device)))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one step trains on (step.advantages builds it whole, never changed after): the scored
+    record of the training groups, plus what the advantages add."""
+
+    scored: Scored
+    advantages: torch.Tensor  # [N] per group (loss.group_advantages), detached
+    zero_std: torch.Tensor  # [N] bool: the row's group carries no signal
+    group_std: torch.Tensor  # [N] the row's group reward std
+    # [N, C] the trained tokens that enter the loss: trained_mask, less the rows of truncated
+    # completions under loss.mask_truncated_completions.
+    loss_mask: torch.Tensor
+
+    @property
+    def rollout(self) -> Rollout:
+        return self.scored.rollout
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """[N] fp32: the weighted totals (the loss's rewards are fp32)."""
+        return self.scored.totals.float()
+
+    @property
+    def reward_values(self) -> torch.Tensor:
+        """[N, R] fp32: each configured reward's value, NaN where it returned None."""
+        return self.scored.values.float()
+
+    @property
+    def prompt_index(self) -> torch.Tensor:
+        """[N] long: the row's prompt, an index into the step's drawn examples."""
+        return self.scored.prompt_index
+
+    @property
+    def num_generations(self) -> int:
+        return self.scored.num_generations
+
+    def rows(self, index: torch.Tensor) -> Batch:
+        """A micro-batch: the rows `index` [n] (whole groups), without the prompt columns that are
+        padding in all of them and the completion columns past their last attended token."""
+        sub = select(self.scored, index)
+        r, used = trimmed(sub.rollout)
+        return Batch(
+            scored=replace(sub, rollout=r),
+            advantages=self.advantages[index],
+            zero_std=self.zero_std[index],
+            group_std=self.group_std[index],
+            loss_mask=self.loss_mask[index][:, :used],
+        )

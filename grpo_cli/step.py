@@ -43,8 +43,7 @@ from grpo_cli.packing import MicroBatches
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rewards import Rewards
 from grpo_cli.rewards.scoring import TrainerProgress
-from grpo_cli.rollout import Batch
-from grpo_cli.scored import Scored, merge_rank_counters
+from grpo_cli.scored import Batch, Scored, merge_rank_counters
 from grpo_cli.scored import concat as concat_scored
 from grpo_cli.scored import select as select_scored
 from grpo_cli.scored import to as scored_to
@@ -247,7 +246,7 @@ def _gather(d: Dist, groups: _Groups | None, device, pad_id: int) -> _Groups:
 
 
 def advantages(train: Scored, lo: LossConfig, device) -> tuple[Batch, tuple[int, int], bool]:
-    """The scored batch (rollout.Batch) of a step's training groups (Sampled.train): the rows'
+    """The scored batch (scored.Batch) of a step's training groups (Sampled.train): the rows'
     advantages, zero-std flags and group stds (ref 002, 004) and the loss mask (the trained tokens,
     less truncated completions under loss.mask_truncated_completions); and the step's loss
     normalisers (num_sequences, num_tokens) and whether it has any learning signal."""
@@ -267,10 +266,7 @@ def advantages(train: Scored, lo: LossConfig, device) -> tuple[Batch, tuple[int,
     if lo.mask_truncated_completions:
         loss_mask[r.truncated] = 0
     batch = Batch(
-        rollout=r,
-        rewards=rewards,
-        reward_values=train.values.float(),
-        prompt_index=train.prompt_index,
+        scored=train,
         advantages=adv.to(device),
         zero_std=zero_std.to(device),
         group_std=group_std.to(device),

@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import scored_rows
 
 from grpo_cli import logprobs as logprobs_mod
 from grpo_cli.logprobs import filter_logits, padding_bounds, token_logprobs
 from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.rollout import Batch, Rollout, single_turn
+from grpo_cli.rollout import Rollout, single_turn
 from grpo_cli.samplers.builtin import draw, left_pad, sample
+from grpo_cli.scored import Batch
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +151,7 @@ def test_micro_batch_rows_drop_all_pad_columns_only(tiny):
         1, p_ids, p_mask, c_ids, c_mask, torch.zeros(2, dtype=torch.bool), torch.zeros(c_ids.shape)
     )
     batch = Batch(
-        rollout,
-        rewards=torch.zeros(2),
-        reward_values=torch.zeros(2, 1),
-        prompt_index=torch.arange(2),
+        scored_rows(rollout, [0.0, 0.0]),
         advantages=torch.zeros(2),
         zero_std=torch.zeros(2, dtype=torch.bool),
         group_std=torch.zeros(2),

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import scored_rows
 from test_rollout import _GradientsKept  # keeps the accumulated gradients, does not step
 
 from grpo_cli import step
@@ -27,8 +28,9 @@ from grpo_cli.packing import (
     token_micro_batches,
 )
 from grpo_cli.precision import resolve_precision
-from grpo_cli.rollout import Batch, Rollout
+from grpo_cli.rollout import Rollout
 from grpo_cli.samplers.builtin import sample
+from grpo_cli.scored import Batch
 
 G = 4
 # (prompt, width) per group: lengths that differ between groups, as multi-turn episodes' do
@@ -112,10 +114,7 @@ def _batch(r: Rollout) -> Batch:
     adv = (rewards.view(-1, G) - rewards.view(-1, G).mean(-1, keepdim=True)).flatten()
     zero = (rewards.view(-1, G).std(-1) == 0).repeat_interleave(G)
     return Batch(
-        rollout=r,
-        rewards=rewards,
-        reward_values=rewards.unsqueeze(1),
-        prompt_index=torch.arange(6).repeat_interleave(G),
+        scored=scored_rows(r, rewards.tolist()),  # (one reward: the totals)
         advantages=adv,
         zero_std=zero,
         group_std=rewards.view(-1, G).std(-1).repeat_interleave(G),

@@ -22,8 +22,9 @@ from grpo_cli.models import load_model, load_tokenizer, resolve_source
 from grpo_cli.optim import StepResult
 from grpo_cli.packing import MicroBatches
 from grpo_cli.precision import resolve_precision
-from grpo_cli.rollout import Batch, Rollout, concat, select
+from grpo_cli.rollout import Rollout, concat, select
 from grpo_cli.samplers.builtin import sample
+from grpo_cli.scored import Batch
 
 G = 2
 HOLE = slice(2, 4)  # completion columns 2 and 3: attended, not trained
@@ -63,10 +64,7 @@ def _holed(model, tok, garbage: float) -> Rollout:
 
 def _batch(r: Rollout, loss_mask=None) -> Batch:
     return Batch(
-        rollout=r,
-        rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
-        reward_values=torch.tensor([[1.0], [0.0], [0.0], [1.0]]),
-        prompt_index=torch.arange(2).repeat_interleave(G),
+        scored=scored_rows(r, [1.0, 0.0, 0.0, 1.0]),  # (one reward: the totals)
         advantages=torch.tensor([1.0, -1.0, -1.0, 1.0]),
         zero_std=torch.zeros(4, dtype=torch.bool),
         group_std=torch.full((4,), 0.5),
