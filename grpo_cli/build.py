@@ -1,9 +1,10 @@
 """Config -> plain objects: data, tokenizer, models, the sampler, the optimizer step, rewards, and
 a resumed run's state.
 
-Used by grpo-train (build_training) and grpo-eval (read_data, build_tokenizer, build_data,
-load_policy) alike. Cheap checks come first: a bad reward, device, precision, checkpoint or
-data file fails before any model is loaded.
+grpo-train (build_training) and grpo-eval (cli/eval.py) share one set-up, build_front: cheap
+checks first (a bad reward, device, precision, checkpoint or data file fails before any model is
+loaded), the seed, then the tokenizer and the tokenised data; then build_rollouts. Frozen models
+(the reference, the teacher) load one way: load_frozen.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from grpo_cli.config import Config, DataConfig
 from grpo_cli.data import (
     Example,
     Formatting,
+    PromptData,
     PromptStream,
     build_prompts,
     read_rows,
@@ -58,7 +60,7 @@ from grpo_cli.rewards import Rewards, build_rewards, check_reward_columns
 from grpo_cli.roles import Learner, Rollouts
 from grpo_cli.samplers import Context as SamplerContext
 from grpo_cli.samplers import build_sampler
-from grpo_cli.teacher import load_teacher, teacher_source
+from grpo_cli.teacher import teacher_source
 
 
 def read_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -342,7 +344,21 @@ def _data_summary(cfg: Config, data, wide_eval) -> str:
     )
 
 
-def _reference(cfg: Config, policy, source, device, precision: Precision, fsdp: bool):
+def load_frozen(
+    source: ModelSource, at: Placement, fsdp: bool, *, key: str = "model.name_or_path", **model_kw
+):
+    """A frozen model (eval, no grad: the reference, the teacher) from `source` on at.device, stored
+    in the precision's weights dtype (as the policy's, not from_pretrained's) and sharded under FSDP2
+    as the policy is. model_kw: load_model's revision and trust_remote_code; `key` names the setting."""
+    model = load_model(source, device=at.device, trainable=False, key=key, **model_kw)
+    if at.precision.weights_dtype is not None:
+        to_weights_dtype(model, at.precision.weights_dtype)
+    if fsdp:
+        shard_model(model)
+    return model
+
+
+def _reference(cfg: Config, policy, source: ModelSource, at: Placement, fsdp: bool):
     """The reference model, which exists only when the KL term does (beta > 0): frozen, eval, no
     grad. With adapters it is the policy itself, run with its adapters disabled (engine:
     disabled_adapters); otherwise a second copy of the base model, in the policy's dtype."""
@@ -350,12 +366,23 @@ def _reference(cfg: Config, policy, source, device, precision: Precision, fsdp: 
         return None
     if is_adapted(policy):
         return policy
-    ref = load_model(source, device=device, trainable=False, **_model_kw(cfg))
-    if precision.weights_dtype is not None:
-        to_weights_dtype(ref, precision.weights_dtype)  # as the policy's (not from_pretrained's)
-    if fsdp:
-        shard_model(ref)
-    return ref
+    return load_frozen(source, at, fsdp, **_model_kw(cfg))
+
+
+def _teacher(cfg: Config, source: ModelSource | None, at: Placement, fsdp: bool):
+    """On-policy distillation's teacher (teacher.py's teacher_source found it), frozen as the
+    reference is, on the training device; None without a teacher (source None)."""
+    if source is None:
+        return None
+    te = cfg.teacher
+    return load_frozen(
+        source,
+        at,
+        fsdp,
+        key="teacher.name_or_path",
+        revision=te.revision,
+        trust_remote_code=te.trust_remote_code,
+    )
 
 
 def _untested_note(policy) -> str:
@@ -367,18 +394,18 @@ def _untested_note(policy) -> str:
     )
 
 
-def _placement(cfg: Config, d: Dist) -> Placement:
-    """The training device (under several processes on GPUs, this rank's) and precision, with the
-    checks they allow before anything loads (4-bit on this device, fp16 under FSDP2)."""
-    t = cfg.trainer
+def _placement(cfg: Config, d: Dist | None) -> Placement:
+    """The device (under several processes on GPUs, this rank's) and precision, with the checks
+    they allow before anything loads (4-bit on this device, fp16 under FSDP2). d None: grpo-eval."""
+    t, rank = cfg.trainer, d or Dist()
     device = resolve_device(t.device)
-    if d.enabled and device.type == "cuda":  # one GPU per process
+    if rank.enabled and device.type == "cuda":  # one GPU per process
         import torch
 
-        device = torch.device("cuda", d.local_rank)
+        device = torch.device("cuda", rank.local_rank)
     precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
     check_quantization(cfg.adapter.quantization, device)
-    if d.enabled and t.distributed == "fsdp" and precision.use_grad_scaler:
+    if rank.enabled and t.distributed == "fsdp" and precision.use_grad_scaler:
         raise UserError(
             f"trainer.distributed=fsdp with trainer.precision={precision.name} needs a sharded grad "
             "scaler, which grpo-cli does not run; use trainer.precision=bf16 (or fp32), or "
@@ -387,34 +414,67 @@ def _placement(cfg: Config, d: Dist) -> Placement:
     return Placement(precision, device, d)
 
 
-def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
-    """Everything grpo-train needs, cheap checks first (rewards, device, precision, the checkpoint
-    to resume, the data rows), then the tokenizer and the models. None when the checkpoint to
-    resume already ends the run (nothing to do; said on stderr). `d`: this process's rank."""
-    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
-    rewards = build_rewards(cfg.reward, none_ok=bool(cfg.loss.teacher_kl))  # (a teacher alone: distillation)
+def _fsdp(cfg: Config, d: Dist | None) -> bool:
+    """Whether the models are sharded under FSDP2: several processes and trainer.distributed=fsdp."""
+    return d is not None and d.enabled and cfg.trainer.distributed == "fsdp"
+
+
+@dataclass(frozen=True)
+class Front:
+    """What grpo-train and grpo-eval both set up before any model loads (build_front)."""
+
+    rewards: Rewards
+    at: Placement  # the precision, the device (and grpo-train's rank)
+    source: ModelSource  # where the model's weights come from
+    tokenizer: Any
+    data: PromptData  # tokenised prompts: .train, .eval (held out), what was dropped or truncated
+    wide_eval: list[Example]  # the second held-out set (operands outside training's), or []
+    resume: _Resume  # grpo-train's checkpoint to resume (_Resume(None, None, []): none)
+    teacher: ModelSource | None  # grpo-train's teacher's weights (teacher_source), None without one
+
+
+def build_front(
+    cfg: Config,
+    log,
+    d: Dist | None = None,
+    *,
+    command: str,
+    none_ok: bool = False,
+    run_dir: Path | None = None,
+) -> Front:
+    """The one set-up of grpo-train and grpo-eval, in this order: the rewards, the device and
+    precision, the checkpoint to resume, the data rows and their reward columns (cheap checks: no
+    tokenizer, no model yet), the seed (seed_everything), the tokenizer (and the teacher's, checked
+    against it), the `command`'s model line and emulation note (printed with `log`), the tokenised
+    data, data.eval_group_by's check and the wide held-out set. `d`: grpo-train's rank (None:
+    grpo-eval's one process); `run_dir`: grpo-train's run folder, where trainer.resume is found
+    (None: grpo-eval, nothing resumed and no teacher); none_ok: no reward allowed (distillation)."""
+    rewards = build_rewards(cfg.reward, none_ok=none_ok)
     at = _placement(cfg, d)
-    precision, device, fsdp = at.precision, at.device, d.enabled and t.distributed == "fsdp"
-    resume = _resume_state(cfg, run_dir, fsdp)
-    resume_from, loaded = resume.path, resume.loaded
+    training = run_dir is not None
+    resume = _resume_state(cfg, run_dir, _fsdp(cfg, d)) if training else _Resume(None, None, [])
     train_rows, eval_rows = read_data(cfg)
     wide_rows = read_wide_eval(cfg)
     check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
-    seed_everything(t.seed)
+    seed_everything(cfg.trainer.seed)
 
-    source, tokenizer = build_tokenizer(cfg, console.print)
-    teacher_at = teacher_source(cfg, tokenizer, console.print)  # (its tokenizer checked before any load)
-    console.print(
-        f"[bold]grpo-train[/] device={device} precision={precision.name} model: {source.description}"
-    )
-    if note := emulation_note(precision, device):
-        console.print(note)
+    source, tokenizer = build_tokenizer(cfg, log)
+    # (the teacher's tokenizer is checked against this one before any model loads)
+    teacher = teacher_source(cfg, tokenizer, log) if training else None
+    log(f"[bold]{command}[/] device={at.device} precision={at.precision.name} model: {source.description}")
+    if note := emulation_note(at.precision, at.device):
+        log(note)
     data = build_data(cfg, (train_rows, eval_rows), tokenizer)
     check_group_by(cfg.data.eval_group_by, data.eval, default=DataConfig().eval_group_by)
     wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)
-    console.print(_data_summary(cfg, data, wide_eval))
+    return Front(rewards, at, source, tokenizer, data, wide_eval, resume, teacher)
 
-    steps_per_epoch = math.ceil(len(data.train) / t.prompts_per_step)
+
+def _run_length(cfg: Config, front: Front, d: Dist) -> tuple[int, ckpt.TrainerState] | None:
+    """The run's total steps and where it starts (step 0, or the resumed checkpoint's state); None
+    when the checkpoint to resume already ends the run (said on stderr). Refuses one past the end."""
+    t, (resume_from, loaded, _) = cfg.trainer, front.resume
+    steps_per_epoch = math.ceil(len(front.data.train) / t.prompts_per_step)
     total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
     state = loaded[0] if loaded else ckpt.TrainerState()
     if loaded and state.step == total_steps:
@@ -432,25 +492,51 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
             f"(trainer.max_steps={t.max_steps}, trainer.epochs={t.epochs}, {steps_per_epoch} steps per epoch): "
             f"it is past the end. Raise trainer.max_steps (or trainer.epochs) above {state.step} to continue it."
         )
+    return total_steps, state
 
-    policy = load_policy(cfg, source, device, precision, trainable=True, resume_from=resume_from)
+
+def _policy(cfg: Config, front: Front, fsdp: bool, console):
+    """The policy to train (the resumed checkpoint's weights or adapters, if any) and its fp32
+    master weights (bf16 without FSDP2; else None); sharded under FSDP2; its adapters said."""
+    at = front.at
+    policy = load_policy(
+        cfg, front.source, at.device, at.precision, trainable=True, resume_from=front.resume.path
+    )
     masters = None
     if fsdp:  # before the optimizer: it steps this process's shards
         # (bf16: FSDP2's mixed precision is the same scheme: fp32 shards, bf16 gathered weights.)
-        shard_model(policy, param_dtype=precision.weights_dtype)
-    elif precision.weights_dtype is not None:  # bf16 weights, the fp32 ones become the masters
-        masters = MasterWeights(policy, precision.weights_dtype)
+        shard_model(policy, param_dtype=at.precision.weights_dtype)
+    elif at.precision.weights_dtype is not None:  # bf16 weights, the fp32 ones become the masters
+        masters = MasterWeights(policy, at.precision.weights_dtype)
     if is_adapted(policy):
         console.print(
             f"adapter: LoRA r={cfg.adapter.r} alpha={cfg.adapter.alpha:g} on "
             f"{', '.join(cfg.adapter.target_modules)}; {trainable_summary(policy)}"
         )
-    ref = _reference(cfg, policy, source, device, precision, fsdp)
-    teacher = load_teacher(cfg, teacher_at, device, precision, fsdp)
+    return policy, masters
+
+
+def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
+    """Everything grpo-train needs: build_front's set-up (cheap checks first, then the tokenizer and
+    the data), the run's length, then the models, the optimizer and the two roles. None when the
+    checkpoint to resume already ends the run (nothing to do; said on stderr). `d`: this rank."""
+    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
+    none_ok = bool(cfg.loss.teacher_kl)  # (a teacher alone: distillation)
+    front = build_front(cfg, console.print, d, command="grpo-train", none_ok=none_ok, run_dir=run_dir)
+    console.print(_data_summary(cfg, front.data, front.wide_eval))
+    if (length := _run_length(cfg, front, d)) is None:
+        return None
+    total_steps, state = length
+    at, resume, fsdp = front.at, front.resume, _fsdp(cfg, d)
+    precision, device, tokenizer, rewards = at.precision, at.device, front.tokenizer, front.rewards
+
+    policy, masters = _policy(cfg, front, fsdp, console)
+    ref = _reference(cfg, policy, front.source, at, fsdp)
+    teacher = _teacher(cfg, front.teacher, at, fsdp)
 
     opt_step = _optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
-    stream = PromptStream(data.train, seed=t.seed)
-    if loaded:
+    stream = PromptStream(front.data.train, seed=t.seed)
+    if resume.loaded:
         _restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
     plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
     if not plan.fast_paths:
@@ -485,10 +571,10 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     return Parts(
         rollouts=rollouts,
         learner=learner,
-        eval_examples=data.eval,
-        wide_eval_examples=wide_eval,
+        eval_examples=front.data.eval,
+        wide_eval_examples=front.wide_eval,
         total_steps=total_steps,
         state=state,
-        resumed_from=resume_from,
+        resumed_from=resume.path,
         dist=d,
     )

@@ -4,7 +4,9 @@ configured rewards; `evaluate` (grpo-train's eval/ metrics) and grpo-eval report
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -78,16 +80,12 @@ def evaluate(
     judged = correctness(rewards) is not None
     totals = graded.totals.tolist() if graded is not None else []
     passed, counted = graded.accuracy() if graded is not None else (0, 0)
-    by_group = {name: [0, 0] for name in groups}  # value -> [rows that pass, rows counted]
-    if graded is not None and group_by:
-        for i, (p, a) in enumerate(zip(graded.passed.tolist(), graded.applies.tolist())):
-            group = str(examples[graded.prompt_index[i]].columns.get(group_by))
-            if a and group in by_group:
-                by_group[group][0] += p
-                by_group[group][1] += 1
+    by_group = group_accuracy(graded, examples, group_by, groups) if graded is not None and group_by else {}
     env_names, env_sums = env_means(graded)
     sums = [sum(totals), len(totals), passed, counted]
-    sums += [x for name in groups for x in by_group[name]]
+    for name in groups:  # (rows that pass, rows counted) of each group, zeros without a grade
+        group = by_group.get(name, GroupAccuracy(0, 0, 0, 0))
+        sums += [group.passed, group.counted]
     sums += env_sums + [len(totals) // max(graded.num_generations, 1) if graded else 0] * bool(env_names)
     sums = reduce(sums) if reduce else sums
     reward_sum, reward_n, accuracy_sum, accuracy_n = sums[:4]
@@ -103,6 +101,39 @@ def evaluate(
         for i, k in enumerate(env_names):
             out[f"{prefix}/{k}"] = sums[base + i] / max(sums[base + len(env_names)], 1)
     return out
+
+
+class GroupAccuracy(NamedTuple):
+    """The accuracy rule (Scored.accuracy) over one group's rows, and over its prompts (pass@G: a
+    prompt passes when one of its counted rows does)."""
+
+    passed: int  # rows that pass
+    counted: int  # rows the rule counts
+    prompts_passed: int  # prompts with a counted row that passes
+    prompts: int  # prompts with a counted row
+
+
+def group_accuracy(
+    graded: Scored, examples: list[Example], column: str | None, groups: Sequence[str]
+) -> dict[str, GroupAccuracy]:
+    """The accuracy rule per value of `column` (data.eval_group_by; a row's value is its prompt's,
+    examples[prompt_index]) for each value in `groups` (group_values'; rows of other values are left
+    out): what evaluate's <prefix>/accuracy/<value> and grpo-eval's <metric>/<value> report."""
+    rows: dict[str, list[tuple[int, bool]]] = {name: [] for name in groups}  # value -> (prompt, passes)
+    flags = zip(graded.prompt_index.tolist(), graded.passed.tolist(), graded.applies.tolist())
+    for prompt, passes, applies in flags:
+        group = str(examples[prompt].columns.get(column))
+        if applies and group in rows:
+            rows[group].append((prompt, passes))
+    return {
+        name: GroupAccuracy(
+            passed=sum(passes for _, passes in counted),
+            counted=len(counted),
+            prompts_passed=len({prompt for prompt, passes in counted if passes}),
+            prompts=len({prompt for prompt, _ in counted}),
+        )
+        for name, counted in rows.items()
+    }
 
 
 def group_values(examples: list[Example], column: str | None) -> list[str]:

@@ -1,14 +1,13 @@
 """The teacher of on-policy distillation (teacher.name_or_path, loss.teacher_kl; docs/recipe.md):
-where its weights come from, once its tokenizer is checked against the student's, and the frozen
-model itself. The loss's term is grpo_cli/loss/terms.py's teacher_term; the loop scores the teacher
-as it scores the reference (roles.Learner.teacher_scores)."""
+where its weights come from, once its tokenizer is checked against the student's. The frozen model
+itself loads as the reference does (build.load_frozen: the trainer's precision, sharded under
+FSDP2). The loss's term is grpo_cli/loss/terms.py's teacher_term; the loop scores the teacher as it
+scores the reference (roles.Learner.teacher_scores)."""
 
 from __future__ import annotations
 
-from grpo_cli.distributed import shard_model
 from grpo_cli.errors import UserError
-from grpo_cli.models import load_model, load_tokenizer, resolve_source
-from grpo_cli.precision import Precision, to_weights_dtype
+from grpo_cli.models import load_tokenizer, resolve_source
 
 
 def teacher_source(cfg, student_tokenizer, log):
@@ -33,24 +32,3 @@ def teacher_source(cfg, student_tokenizer, log):
             "same tokenizer, or a checkpoint of the student's own training)."
         )
     return source
-
-
-def load_teacher(cfg, source, device, precision: Precision, fsdp: bool):
-    """The frozen teacher: eval, no grad, in the trainer's precision (the reference's dtype), on the
-    training device; sharded as the policy is under FSDP2. None without a teacher (source None)."""
-    if source is None:
-        return None
-    te = cfg.teacher
-    teacher = load_model(
-        source,
-        device=device,
-        trainable=False,
-        revision=te.revision,
-        trust_remote_code=te.trust_remote_code,
-        key="teacher.name_or_path",
-    )
-    if precision.weights_dtype is not None:
-        to_weights_dtype(teacher, precision.weights_dtype)
-    if fsdp:
-        shard_model(teacher)
-    return teacher

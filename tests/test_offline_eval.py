@@ -230,3 +230,43 @@ def test_grpo_eval_checks_reward_columns_as_grpo_train_does(tmp_path):
     cfg = typed_config(["model=tiny", "data=jsonl", f"data.path={data}", "data.eval_size=2"])
     with pytest.raises(UserError, match="has no column 'answer'"):
         evaluate_model(cfg, samples=0, num_prompts=None, log=lambda *a: None)
+
+
+def test_grpo_eval_sets_up_as_grpo_train_does(monkeypatch):
+    """grpo-eval runs grpo-train's set-up (build.build_front): seed_everything with trainer.seed,
+    its own name on the model line, and the emulation note."""
+    from grpo_cli import build
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.cli.eval import evaluate_model
+
+    seeds, lines = [], []
+    monkeypatch.setattr(build, "seed_everything", seeds.append)
+    monkeypatch.setattr(build, "emulation_note", lambda precision, device: "note: emulated")
+    cfg = typed_config(["model=tiny", "data.eval_size=3", "sampler.max_new_tokens=2", "trainer.seed=7"])
+    evaluate_model(cfg, samples=0, num_prompts=None, log=lines.append)
+    assert seeds == [7]
+    assert lines[0].startswith("[bold]grpo-eval[/] device=cpu precision=fp32 model: ")
+    assert lines[1] == "note: emulated"
+
+
+def test_per_group_accuracy_counts_rows_and_prompts():
+    """evaluate.group_accuracy, the one per-group rule of grpo-train's eval/accuracy/<value> and
+    grpo-eval's <metric>/<value>: rows the correctness reward does not apply to are not counted;
+    a prompt passes (pass@G) when one of its counted rows does; other values are left out."""
+    from types import SimpleNamespace
+
+    from grpo_cli.data import Example
+    from grpo_cli.evaluate import group_accuracy
+
+    examples = [Example("p", [1], {"kind": k}) for k in ("plus", "minus", "plus", "times")]
+    G = 2  # rows: two per prompt, in prompt order
+    graded = SimpleNamespace(
+        passed=torch.tensor([1, 0, 0, 1, 0, 0, 1, 1], dtype=torch.bool),
+        applies=torch.tensor([1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool),
+        prompt_index=torch.arange(4).repeat_interleave(G),
+        num_generations=G,
+    )
+    got = group_accuracy(graded, examples, "kind", ["minus", "plus"])
+    assert list(got) == ["minus", "plus"]  # "times" is not among the groups asked for
+    assert tuple(got["plus"]) == (1, 4, 1, 2)  # rows 0-1 (one pass) and 4-5 (none)
+    assert tuple(got["minus"]) == (0, 1, 0, 1)  # row 3 passes but is not counted

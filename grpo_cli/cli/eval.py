@@ -27,62 +27,37 @@ from grpo_cli.errors import UserError, report_and_exit
 
 
 def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=print) -> dict:
-    import torch
-
-    from grpo_cli.adapters import check_quantization
-    from grpo_cli.build import (
-        Placement,
-        build_data,
-        build_rollouts,
-        build_tokenizer,
-        build_wide_eval,
-        load_policy,
-        read_data,
-        read_wide_eval,
-    )
-    from grpo_cli.config.schema import DataConfig
-    from grpo_cli.evaluate import check_group_by, group_values
+    """grpo-eval's metrics (the module docstring's), on grpo-train's set-up (build.build_front:
+    the same checks, seed, tokenizer and data) and its evaluator (Rollouts.grade)."""
+    from grpo_cli.build import build_front, build_rollouts, load_policy
+    from grpo_cli.evaluate import group_accuracy, group_values
     from grpo_cli.loss import zero_std_groups
-    from grpo_cli.precision import resolve_device, resolve_precision
-    from grpo_cli.rewards import build_rewards, check_reward_columns, correctness
+    from grpo_cli.rewards import correctness
 
-    t, s = cfg.trainer, cfg.sampler
-    rewards = build_rewards(cfg.reward)
-    device = resolve_device(t.device)
-    precision = resolve_precision(t.precision, device, adapted=cfg.adapter.name != "none")
-    check_quantization(cfg.adapter.quantization, device)
-    rows = read_data(cfg)
-    check_reward_columns(rewards, rows[0] + rows[1], cfg.data)  # (as grpo-train, before a model loads)
-    source, tokenizer = build_tokenizer(cfg, log)
-    log(f"grpo-eval device={device} precision={precision.name} model: {source.description}")
-    data = build_data(cfg, rows, tokenizer)
-    examples = data.eval[:num_prompts] if num_prompts else data.eval
-    wide = build_wide_eval(cfg, read_wide_eval(cfg), tokenizer)
-    wide = wide[:num_prompts] if num_prompts else wide
+    s, by = cfg.sampler, cfg.data.eval_group_by
+    front = build_front(cfg, log, command="grpo-eval")
+    source, rewards, at = front.source, front.rewards, front.at
+    examples = front.data.eval[:num_prompts] if num_prompts else front.data.eval
+    wide = front.wide_eval[:num_prompts] if num_prompts else front.wide_eval
     if not examples:
         raise UserError("the held-out split is empty; set data.eval_size > 0 (or data.eval_split).")
-    by = cfg.data.eval_group_by
-    check_group_by(by, examples, default=DataConfig().eval_group_by)
-    model = load_policy(cfg, source, device, precision, trainable=False)
-    rollouts = build_rollouts(cfg, model, tokenizer, rewards, Placement(precision, device))
+    model = load_policy(cfg, source, at.device, at.precision, trainable=False)
+    rollouts = build_rollouts(cfg, model, front.tokenizer, rewards, at)
     try:
         judge = correctness(rewards)
-        torch.manual_seed(t.seed)
 
         def run(group: int, greedy: bool, examples=examples):  # the evaluator of grpo-train too
             return rollouts.grade(examples, num_generations=group, greedy=greedy)
 
-        def per_group(name: str, graded, examples, G: int = 1) -> None:  # e.g. greedy_accuracy/minus
+        def per_group(name: str, graded, examples) -> None:  # e.g. greedy_accuracy/minus
             """The accuracy rule per value of data.eval_group_by; pass@G: a prompt with any pass."""
-            kinds = [str(examples[i].columns.get(by)) for i in graded.prompt_index.tolist()]
-            passed, applies = graded.passed.tolist(), graded.applies.tolist()
-            for value in group_values(examples, by):
-                rows = [i for i, kind in enumerate(kinds) if kind == value and applies[i]]
-                result[f"{name}/{value}"] = sum(passed[i] for i in rows) / len(rows) if rows else 0.0
+            G = graded.num_generations
+            for value, group in group_accuracy(graded, examples, by, group_values(examples, by)).items():
+                result[f"{name}/{value}"] = group.passed / group.counted if group.counted else 0.0
                 if G > 1:
-                    prompts = {i // G for i in rows}
-                    hits = {i // G for i in rows if passed[i]}
-                    result[f"pass@{G}/{value}"] = len(hits) / len(prompts) if prompts else 0.0
+                    result[f"pass@{G}/{value}"] = (
+                        group.prompts_passed / group.prompts if group.prompts else 0.0
+                    )
 
         def accuracy(graded) -> float:
             right, counted = graded.accuracy()
@@ -114,7 +89,7 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
             )
             result.update(_sampled_metrics(sampled, same, s.temperature))
             result.update(_env_means("sampled", sampled))
-            per_group("pass@1", sampled, examples, G)  # per kind: how often it samples a right answer
+            per_group("pass@1", sampled, examples)  # per kind: how often it samples a right answer
             result["advice"] = _advice(result["pass@1"])
         result["seconds"] = time.perf_counter() - t0
     finally:
