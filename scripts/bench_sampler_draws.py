@@ -69,6 +69,7 @@ def worker(args) -> None:
     from grpo_cli.logprobs import _forward_logits
     from grpo_cli.precision import autocast, resolve_precision
     from grpo_cli.rewards import build_rewards, correctness, passes, score_examples
+    from grpo_cli.rollout import Drawn
     from grpo_cli.samplers import Context, build_sampler
     from grpo_cli.testing.distributions import rank_categories
 
@@ -98,7 +99,7 @@ def worker(args) -> None:
             chunk = examples[start : start + 8]
             seeds = [prompt_seed(seed, 1, start + i) for i in range(len(chunk))]
             r = sampler.generate([ex.prompt_ids for ex in chunk], seeds=seeds, num_generations=G)
-            _, total, per_reward = score_examples(rewards, tok, chunk, r)
+            _, total, per_reward = score_examples(rewards, tok, chunk, Drawn(r))
             totals += total
             passed += passes(per_reward, total, judge)
             lengths += r.trained_mask.sum(-1).tolist()

@@ -90,15 +90,7 @@ class RolloutPath:
         """The drawn rollout scored by `rewards` (rewards.score: `examples` in the rollout's row
         order), then the environments the draw kept open for them closed, however scoring ends."""
         try:
-            return score(
-                rewards,
-                tokenizer,
-                examples,
-                drawn.rollout,
-                progress,
-                reset_prompts=drawn.reset_prompts,
-                environments=drawn.environments,
-            )
+            return score(rewards, tokenizer, examples, drawn, progress)
         finally:
             self.close_environments()
 

@@ -239,9 +239,7 @@ def grpo_loss(
 
     loss = variant.reduce(per_token_loss, valid, counts)  # []
     if cfg.entropy_coef:
-        rows = (
-            zero_std_flags if zero_std_flags is not None else torch.zeros(logps.shape[0], dtype=torch.bool)
-        )  # [B]
+        rows = zero_std_flags if zero_std_flags is not None else torch.zeros(logps.shape[0], dtype=torch.bool)
         keep = high & ~rows.to(device=device, dtype=torch.bool).unsqueeze(1)  # [B, T]
         loss = loss + entropy_bonus(entropy, keep, cfg.entropy_coef, counts.num_tokens)  # []
     teacher_stats: dict[str, Tensor] = {}

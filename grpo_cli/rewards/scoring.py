@@ -400,17 +400,16 @@ def score_examples(
     rewards,
     tokenizer,
     examples: list[Example],
-    rollout,
+    drawn,
     stats: dict | None = None,
     progress: TrainerProgress | None = None,
     logs: Logs | None = None,
-    reset_prompts: tuple = (),
-    environments: tuple = (),
 ):
-    """Rewards of a rollout.Rollout whose rows are its num_generations completions per example, in
+    """Rewards of a draw (rollout.Drawn: the rollout, and beside it the reset prompts and open
+    environments the rewards may read) whose rows are num_generations completions per example, in
     order; returns (the completions' texts, weighted totals, values per reward). `stats`,
-    `progress`, `logs`: as in score_rewards; `reset_prompts`, `environments`: what the draw holds
-    beside the rollout (rollout.Drawn), per row, or ()."""
+    `progress`, `logs`: as in score_rewards."""
+    rollout, reset_prompts = drawn.rollout, drawn.reset_prompts
     num_generations = rollout.num_generations
     texts = decode_completions(tokenizer, rollout.completion_ids, rollout.attention_mask)
     columns: dict[str, list] = {}
@@ -441,7 +440,7 @@ def score_examples(
         completion_ids=completion_ids,
         columns=columns,
         env_reward=env_reward,
-        environments=list(environments) or None,
+        environments=list(drawn.environments) or None,
         stats=stats,
         progress=progress,
         logs=logs,
@@ -449,39 +448,22 @@ def score_examples(
     return texts, total, per_reward
 
 
-def score(
-    rewards,
-    tokenizer,
-    examples: list[Example],
-    rollout,
-    progress: TrainerProgress | None = None,
-    *,
-    reset_prompts: tuple = (),
-    environments: tuple = (),
-):
-    """A rollout whose rows are num_generations completions per example, in order, scored into one
-    frozen record (scored.Scored): every reward's value, the weighted totals, the pass rule and the
-    accuracy rule's rows, the rows' prompts (indices into `examples`), and the call's per-reward
-    time, counters, log_metric values and log_extra columns. `progress`: the rewards' trainer_state;
-    `reset_prompts`, `environments`: what the draw holds beside the rollout (rollout.Drawn), for
-    the rewards that read them. (RolloutPath.score calls this and then closes the environments.)"""
+def score(rewards, tokenizer, examples: list[Example], drawn, progress: TrainerProgress | None = None):
+    """A draw (rollout.Drawn) whose rows are num_generations completions per example, in order,
+    scored into one frozen record (scored.Scored): every reward's value, the weighted totals, the
+    pass rule and the accuracy rule's rows, the rows' prompts (indices into `examples`), and the
+    call's per-reward time, counters, log_metric values and log_extra columns. `progress`: the
+    rewards' trainer_state. (RolloutPath.score calls this, then closes the draw's environments.)"""
     import torch
 
     from grpo_cli.scored import Scored
 
+    rollout = drawn.rollout
     counters: dict[str, float] = {}
     logs = Logs()
     if len(rewards):
         _, totals, per_reward = score_examples(
-            rewards,
-            tokenizer,
-            examples,
-            rollout,
-            stats=counters,
-            progress=progress,
-            logs=logs,
-            reset_prompts=reset_prompts,
-            environments=environments,
+            rewards, tokenizer, examples, drawn, stats=counters, progress=progress, logs=logs
         )
     else:  # no reward at all (on-policy distillation alone: the teacher trains): every total 0
         totals, per_reward = [0.0] * rollout.completion_ids.shape[0], {}
