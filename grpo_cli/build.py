@@ -10,14 +10,10 @@ loaded), the seed, then the tokenizer and the tokenised data; then build_rollout
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
-
-from omegaconf import OmegaConf
+from typing import Any
 
 from grpo_cli import checkpoint as ckpt
 from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
@@ -35,7 +31,7 @@ from grpo_cli.data import (
 from grpo_cli.data import plugin as data_source
 from grpo_cli.distributed import Dist, shard_model, wrap_scorer
 from grpo_cli.environments.episodes import environment_episodes
-from grpo_cli.errors import UserError, first_line
+from grpo_cli.errors import UserError
 from grpo_cli.evaluate import check_group_by
 from grpo_cli.logprobs import TokenLogprobs
 from grpo_cli.models import (
@@ -56,6 +52,7 @@ from grpo_cli.precision import (
     resolve_precision,
     to_weights_dtype,
 )
+from grpo_cli.resume import Resume, restore, resume_state, run_length
 from grpo_cli.rewards import Rewards, build_rewards, check_reward_columns
 from grpo_cli.roles import Learner, Rollouts
 from grpo_cli.samplers import Context as SamplerContext
@@ -232,33 +229,6 @@ def build_rollouts(cfg: Config, model, tokenizer, rewards: Rewards, at: Placemen
     return Rollouts(cfg, sampler, episodes, rewards, tokenizer, stream, d or Dist(), device)
 
 
-class _Resume(NamedTuple):
-    """The checkpoint a run resumes from (None without trainer.resume), its loaded training state
-    (checkpoint.load_training_state's; None) and the settings that differ from its run's ([])."""
-
-    path: Path | None
-    loaded: Any
-    changed: list[str]
-
-
-def _resume_state(cfg: Config, run_dir: Path, fsdp: bool) -> _Resume:
-    """The _Resume of trainer.resume; refuses a checkpoint of the other distributed mode."""
-    if not cfg.trainer.resume:
-        return _Resume(None, None, [])
-    resume_from = ckpt.find_resume_checkpoint(cfg.trainer.resume, run_dir)
-    if ckpt.is_sharded_checkpoint(resume_from) != fsdp:
-        written, now = ("fsdp", "ddp") if not fsdp else ("ddp (or one process)", "fsdp")
-        raise UserError(
-            f"checkpoint {resume_from} was written with trainer.distributed={written}, and this run uses "
-            f"{now}: their optimizer states are stored differently (FSDP's sharded over the processes). "
-            f"Resume it with trainer.distributed={written.split()[0]}"
-            + (" and trainer.num_processes >= 2" if not fsdp else "")
-            + ", or start a new run from its weights (model.name_or_path=<the checkpoint folder>)."
-        )
-    changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
-    return _Resume(resume_from, ckpt.load_training_state(resume_from), changed)
-
-
 def _grad_scaler(precision: Precision, device, state):
     """fp16's grad scaler, its state restored on resume (from the TrainerState); None otherwise."""
     import torch
@@ -286,38 +256,6 @@ def _optimizer_step(cfg: Config, policy, masters, scaler, total_steps: int, d):
         max_grad_norm=cfg.optimizer.max_grad_norm,
         dist=d,
     )
-
-
-def _restore(resume: _Resume, policy, opt_step, stream, *, fsdp: bool, d, console):
-    """A resumed run's optimizer, schedule and prompt stream, from the checkpoint's training
-    state (resume.loaded), and what differs from its run (resume.changed), said."""
-    resume_from, loaded, changed = resume
-    state = loaded[0]
-    try:
-        if fsdp:
-            ckpt.load_sharded(resume_from, policy, opt_step.optimizer)
-        else:
-            opt_step.optimizer.load_state_dict(loaded[1])
-        opt_step.scheduler.load_state_dict(loaded[2])
-        stream.load_state(state.stream)
-    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
-        raise UserError(
-            f"checkpoint {resume_from}: its optimizer/scheduler state does not fit this "
-            f"model and optimizer ({first_line(exc, 160)}); resume with the checkpoint's own "
-            "model and optimizer settings, or start a new run."
-        ) from exc
-    console.print(f"resumed from {resume_from} at step {state.step}")
-    if state.world_size != d.world_size:
-        console.print(
-            f"[yellow]the checkpoint was written by {state.world_size} process(es), this run has "
-            f"{d.world_size}: it continues (the completions do not depend on the number of processes), "
-            "but the micro-batches' order and float sums differ from an uninterrupted run's.[/]"
-        )
-    if changed:
-        console.print(
-            "[yellow]settings differ from the checkpoint's (allowed; later steps will not "
-            "match an uninterrupted run exactly): " + "; ".join(changed) + "[/]"
-        )
 
 
 def _data_summary(cfg: Config, data, wide_eval) -> str:
@@ -429,7 +367,7 @@ class Front:
     tokenizer: Any
     data: PromptData  # tokenised prompts: .train, .eval (held out), what was dropped or truncated
     wide_eval: list[Example]  # the second held-out set (operands outside training's), or []
-    resume: _Resume  # grpo-train's checkpoint to resume (_Resume(None, None, []): none)
+    resume: Resume  # grpo-train's checkpoint to resume (Resume(None, None, []): none)
     teacher: ModelSource | None  # grpo-train's teacher's weights (teacher_source), None without one
 
 
@@ -452,7 +390,7 @@ def build_front(
     rewards = build_rewards(cfg.reward, none_ok=none_ok)
     at = _placement(cfg, d)
     training = run_dir is not None
-    resume = _resume_state(cfg, run_dir, _fsdp(cfg, d)) if training else _Resume(None, None, [])
+    resume = resume_state(cfg, run_dir, _fsdp(cfg, d)) if training else Resume(None, None, [])
     train_rows, eval_rows = read_data(cfg)
     wide_rows = read_wide_eval(cfg)
     check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
@@ -468,31 +406,6 @@ def build_front(
     check_group_by(cfg.data.eval_group_by, data.eval, default=DataConfig().eval_group_by)
     wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)
     return Front(rewards, at, source, tokenizer, data, wide_eval, resume, teacher)
-
-
-def _run_length(cfg: Config, front: Front, d: Dist) -> tuple[int, ckpt.TrainerState] | None:
-    """The run's total steps and where it starts (step 0, or the resumed checkpoint's state); None
-    when the checkpoint to resume already ends the run (said on stderr). Refuses one past the end."""
-    t, (resume_from, loaded, _) = cfg.trainer, front.resume
-    steps_per_epoch = math.ceil(len(front.data.train) / t.prompts_per_step)
-    total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
-    state = loaded[0] if loaded else ckpt.TrainerState()
-    if loaded and state.step == total_steps:
-        if d.is_main:
-            print(
-                f"grpo-train: the run is already complete ({resume_from} is step {total_steps} of {total_steps}); "
-                "nothing was changed. Raise trainer.max_steps to train further.",
-                file=sys.stderr,
-                flush=True,
-            )
-        return None
-    if state.step > total_steps:
-        raise UserError(
-            f"checkpoint {resume_from} is at step {state.step}, and this run ends at step {total_steps} "
-            f"(trainer.max_steps={t.max_steps}, trainer.epochs={t.epochs}, {steps_per_epoch} steps per epoch): "
-            f"it is past the end. Raise trainer.max_steps (or trainer.epochs) above {state.step} to continue it."
-        )
-    return total_steps, state
 
 
 def _policy(cfg: Config, front: Front, fsdp: bool, console):
@@ -524,7 +437,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     none_ok = bool(cfg.loss.teacher_kl)  # (a teacher alone: distillation)
     front = build_front(cfg, console.print, d, command="grpo-train", none_ok=none_ok, run_dir=run_dir)
     console.print(_data_summary(cfg, front.data, front.wide_eval))
-    if (length := _run_length(cfg, front, d)) is None:
+    if (length := run_length(cfg, front.resume, len(front.data.train), d)) is None:
         return None
     total_steps, state = length
     at, resume, fsdp = front.at, front.resume, _fsdp(cfg, d)
@@ -537,7 +450,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     opt_step = _optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
     stream = PromptStream(front.data.train, seed=t.seed)
     if resume.loaded:
-        _restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
+        restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
     plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
     if not plan.fast_paths:
         console.print(_untested_note(policy))
