@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,24 @@ def grpo(
     )
 
 
+def train_here(overrides: list[str], run_dir: Path, on_start=None) -> dict:
+    """Train in this process what `grpo-train OVERRIDES hydra.run.dir=RUN_DIR` trains (its
+    hydra.* overrides dropped), through grpo_cli.cli.train.train_config, with one torch thread as
+    grpo_env gives a subprocess; the last metrics row. For tests of what a run computes and
+    writes: the console script's own behaviour (exit status, stderr, signals) needs `grpo`."""
+    import torch
+
+    from grpo_cli.cli.train import train_config
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_config(composed([o for o in overrides if not o.startswith("hydra.")]), run_dir, on_start)
+    finally:
+        torch.set_num_threads(threads)
+
+
 #: A chat template whose turns end at EOS (</s>), for the environment tests' tiny model.
 EOS_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>\n{% endfor %}"
@@ -125,38 +144,160 @@ def tiny_model():
     return load_model(src, device=torch.device("cpu")), tok
 
 
-@pytest.fixture
-def compose():
-    """Compose the shipped config with overrides, as grpo-train would."""
+def composed(overrides: list[str] | None = None):
+    """The shipped config composed with overrides, as grpo-train would (also for module-scoped
+    fixtures, which cannot use the function-scoped `compose`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
     import grpo_cli.config  # noqa: F401  registers the schema and the run-id resolver
 
-    def _compose(overrides: list[str] | None = None):
-        with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=overrides or [])
-
-    return _compose
+    with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides or [])
 
 
-# A test that starts a process (a console script, a fault-injecting grpo-train) is in the slow
-# tier; `pytest -m "not slow"` runs the rest, the inner loop of development (under 2 minutes).
-_STARTS_A_PROCESS = ("run_cli(", "console_script(", "subprocess.", "start(", "grpo(")
+@pytest.fixture
+def compose():
+    """Compose the shipped config with overrides, as grpo-train would."""
+    return composed
+
+
+# A test that starts a process (a console script, a fault-injecting grpo-train, torchrun) is in the
+# slow tier; `pytest -m "not slow"` runs the rest, the inner loop of development (under 2 minutes).
+# The marker follows the code a test runs: its own function, every fixture it uses (item.fixturenames
+# is already the transitive closure), its parametrized callables, and, transitively, every function
+# or class of tests/ that any of these names (a helper module's function, conftest's grpo/run_cli, a
+# class's methods). In a run of the fast tier, a process that starts anyway in a test left unmarked
+# fails that test, naming the command (_guarded_execute_child below): the marker cannot silently
+# miss one.
+_PROCESS_NAMES = frozenset({"subprocess", "Popen", "run_cli", "grpo"})
+_PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "torch.distributed.run")
+
+
+def _in_tests(obj) -> bool:
+    """Whether obj is a function or class defined in a file of tests/."""
+    if inspect.isclass(obj):
+        path = getattr(sys.modules.get(obj.__module__), "__file__", None)
+    elif callable(obj):
+        path = getattr(getattr(inspect.unwrap(obj), "__code__", None), "co_filename", None)
+    else:
+        path = None
+    return path is not None and Path(path).resolve().is_relative_to(TESTS)
+
+
+def _names(code) -> set[str]:
+    """The global and attribute names a code object (and the functions nested in it) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
+
+
+_STARTS: dict = {}  # id(code) -> whether it can start a process
+
+
+def _starts_a_process(obj, seen: set | None = None) -> bool:
+    """Whether calling obj (a function or class of tests/) can start a process."""
+    if inspect.isclass(obj):
+        return any(_starts_a_process(f, seen) for f in vars(obj).values() if inspect.isfunction(f))
+    code = getattr(inspect.unwrap(obj), "__code__", None)
+    if code is None or (seen is not None and id(code) in seen):
+        return False  # (a cycle: what the other calls start is decided where it began)
+    if id(code) in _STARTS:
+        return _STARTS[id(code)]
+    top, seen = seen is None, (seen or set()) | {id(code)}
+    names, scope = _names(code), getattr(inspect.unwrap(obj), "__globals__", {})
+    found = bool(names & _PROCESS_NAMES)
+    for name in () if found else sorted(names):
+        value = scope.get(name)
+        if inspect.ismodule(value):
+            if value.__name__ in _PROCESS_MODULES:
+                found = True
+            elif Path(getattr(value, "__file__", None) or "/").resolve().is_relative_to(TESTS):
+                # a helper module (import reliability_helpers as h): the functions named through it
+                found = any(
+                    _starts_a_process(getattr(value, attr), seen)
+                    for attr in names
+                    if _in_tests(getattr(value, attr, None))
+                )
+        elif getattr(value, "__module__", None) in _PROCESS_MODULES:
+            found = True
+        elif _in_tests(value):
+            found = _starts_a_process(value, seen)
+        if found:
+            break
+    if found or top:  # (a negative answer inside a cycle may not be the whole answer)
+        _STARTS[id(code)] = found
+    return found
+
+
+def _runs_of(item) -> list:
+    """The test function, its fixtures' functions (transitively) and its parametrized callables."""
+    fns = [getattr(item, "function", None)]
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in getattr(item, "fixturenames", ()):
+        fns += [d.func for d in defs.get(name, ())]
+    callspec = getattr(item, "callspec", None)
+    fns += [v for v in (callspec.params.values() if callspec else ()) if callable(v)]
+    return [f for f in fns if f is not None and _in_tests(f)]
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        fn = getattr(item, "function", None)
-        try:
-            source = inspect.getsource(fn) if fn is not None else ""
-        except (OSError, TypeError):
-            source = ""
-        if any(call in source for call in _STARTS_A_PROCESS):
+        if any(_starts_a_process(fn) for fn in _runs_of(item)):
             item.add_marker(pytest.mark.slow)
 
 
+# The guard, in a run of the fast tier (-m "not slow"): while a test not marked slow runs (its
+# fixtures' set-up and tear-down included, a module-scoped fixture's too), starting a Python
+# interpreter, a console script of this environment or torchrun fails it, naming the command
+# (other programs start: a library's `ldconfig -p`, say).
+_GUARDED: list = [False]  # whether this run selects with -m "not slow"
+_UNMARKED: list = [None]  # the item not marked slow that is running now, or None
+_HEAVY = re.compile(r"(^|[\\/\s])(python[\d.]*|grpo-[\w-]+|torchrun)(\s|$)")
+_STARTED = pytest.StashKey[list]()
+_execute_child = subprocess.Popen._execute_child
+
+
+def _guarded_execute_child(self, args, *rest, **kw):
+    item = _UNMARKED[0]
+    cmd = " ".join(map(os.fsdecode, [args] if isinstance(args, (str, bytes, os.PathLike)) else args))
+    if item is not None and (_HEAVY.search(cmd) or str(BIN) in cmd):
+        message = (
+            f"{item.nodeid} starts a process ({cmd[:300]}) but is not marked slow: "
+            "conftest.pytest_collection_modifyitems did not see it (a process started by grpo_cli, "
+            "or through a helper it cannot follow); mark the test @pytest.mark.slow, or run the "
+            "training in-process (grpo_cli.cli.train.train_config)"
+        )
+        item.stash.setdefault(_STARTED, []).append(message)
+        raise RuntimeError(message)
+    return _execute_child(self, args, *rest, **kw)
+
+
+subprocess.Popen._execute_child = _guarded_execute_child
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _UNMARKED[0] = None if item.get_closest_marker("slow") or not _GUARDED[0] else item
+    try:
+        yield
+    finally:
+        _UNMARKED[0] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    started = item.stash.get(_STARTED, None)
+    if started and report.passed and report.when == "call":  # (its RuntimeError was caught)
+        report.outcome, report.longrepr = "failed", "\n".join(started)
+
+
 def pytest_configure(config):
+    _GUARDED[0] = bool(re.search(r"\bnot\s+slow\b", config.getoption("markexpr", "") or ""))
     # Under pytest-xdist each worker is a process of its own: two workers with torch's default of
     # one thread per core would wait on each other on a 2-core machine.
     if os.environ.get("PYTEST_XDIST_WORKER"):

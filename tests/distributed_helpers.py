@@ -1,7 +1,7 @@
 """Runs of the tiny model with 1 or 2 processes for tests/test_distributed.py: every case of
 CASES trains in this process (one process group for all of them), into OUT/<case>/.
 
-    python tests/distributed_helpers.py OUT                                          # one process
+    python tests/distributed_helpers.py OUT     # one process (the test calls train_cases(OUT) instead)
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_helpers.py OUT
 """
 
@@ -126,15 +126,24 @@ CASES = {
 
 
 def main() -> None:
+    from grpo_cli import distributed
+
+    d = distributed.from_env()
+    distributed.join(d, "cpu", 120)
+    train_cases(Path(sys.argv[1]), d)
+    distributed.leave()
+
+
+def train_cases(out: Path, d=None) -> None:
+    """Train every case of CASES into OUT/<case>/, as this process's rank of d (default: one
+    process; tests/test_distributed.py calls it so in its own process)."""
     from hydra import compose, initialize_config_module
 
     from grpo_cli import distributed
     from grpo_cli.cli.train import train_config
     from grpo_cli.config import validate
 
-    out = Path(sys.argv[1])
-    d = distributed.from_env()
-    distributed.join(d, "cpu", 120)
+    d = d or distributed.Dist()
     with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
         for name, overrides in CASES.items():
             if not d.enabled:
@@ -144,7 +153,6 @@ def main() -> None:
             (out / name).mkdir(parents=True, exist_ok=True)  # (what Hydra does for grpo-train)
             train_config(cfg, out / name, d=d)
             gc.collect()  # this case's models and their DDP wrappers go now (see distributed.leave)
-    distributed.leave()
 
 
 if __name__ == "__main__":

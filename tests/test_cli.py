@@ -66,7 +66,7 @@ def test_user_config_dir_adds_a_preset(tmp_path):
     assert yaml.safe_load(res.stdout)["model"]["name_or_path"] == "/models/mine"
 
 
-def test_check_env_reports_and_exits_0(tmp_path):
+def test_check_env_reports_and_exits_0(tmp_path, capsys):
     res = run_cli([console_script("grpo-check-env")], cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     for needle in (
@@ -80,8 +80,12 @@ def test_check_env_reports_and_exits_0(tmp_path):
         "status: OK",
     ):
         assert needle in res.stdout, needle
-    res = run_cli([console_script("grpo-check-env"), "--json"], cwd=tmp_path)
-    info = json.loads(res.stdout)
+    # --json: the same report as JSON (in this process: the console script ran above).
+    from grpo_cli.cli import check_env
+
+    capsys.readouterr()
+    check_env.main(["--json"])
+    info = json.loads(capsys.readouterr().out)
     assert info["packages"]["torch"] and info["recommended_precision"] in ("fp32", "bf16", "fp16")
     assert info["cpu_cores"] >= 1
 
@@ -107,6 +111,12 @@ def test_multirun_composes_two_jobs(tmp_path):
             "model=tiny",
             "trainer=smoke",
             "trainer.max_steps=1",
+            # (a tiny step: what is checked is the jobs' composed configs)
+            "data.num_examples=16",
+            "data.eval_size=4",
+            "sampler.num_generations=2",
+            "sampler.max_new_tokens=4",
+            "trainer.prompts_per_step=1",
             f"hydra.sweep.dir={sweep}",
         ],
         cwd=tmp_path,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, console_script, grpo, grpo_env
+from conftest import TESTS, console_script, grpo, grpo_env, train_here
 
 from grpo_cli.distributed import prompt_seed, shard
 from grpo_cli.samples import read_records
@@ -121,28 +121,30 @@ def test_two_processes_train_the_weights_one_process_trains(tmp_path, tiny_folde
     under DDP and FSDP2 for one step, within bf16's rounding), trained 2 steps by 1 process and by 2
     (torchrun): same samples, same advantages and normalisers,
     gradients summed over the ranks, so the 2-process update equals the 1-process one up to fp32
-    summation order. (The table of the issue note: printed with -s.)"""
+    summation order. (The table of the issue note: printed with -s.) The 1-process runs train in
+    this process, with one torch thread as each torchrun worker has."""
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(TESTS))
     import distributed_helpers
 
     helper = str(TESTS / "distributed_helpers.py")
-    runs = {
-        "w1": [sys.executable, helper, str(tmp_path / "w1")],
-        "w2": [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            helper,
-            str(tmp_path / "w2"),
-        ],
-    }
-    for cmd in runs.values():
-        res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=grpo_env())
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", helper]
+    res = subprocess.run(
+        [*cmd, str(tmp_path / "w2")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=grpo_env(),
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        distributed_helpers.train_cases(tmp_path / "w1")
+    finally:
+        torch.set_num_threads(threads)
     base = load_file(Path(tiny_folder) / "model.safetensors")
     for case in distributed_helpers.CASES:
         a, b = (weights(max((tmp_path / w / case / "checkpoints").iterdir())) for w in ("w1", "w2"))
@@ -256,17 +258,18 @@ def test_an_interrupted_two_process_run_resumes_bit_exact(tmp_path, uninterrupte
     assert strip(metrics(run)) == strip(metrics(uninterrupted[mode]))
 
 
-def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path, uninterrupted):
-    """Another number of processes: the run continues (samples do not depend on it), with a note."""
+def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path, uninterrupted, capsys):
+    """Another number of processes: the run continues (samples do not depend on it), with a note.
+    (The one process is this one, as grpo-train would train; a failure raises.)"""
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(uninterrupted["ddp"], run)
     shutil.rmtree(run / "checkpoints" / "step-000004")
     args = [a for a in SMALL if a != "trainer.num_processes=2"] + EXACT
-    res = grpo(args + ["trainer.quiet=false", f"hydra.run.dir={run}", "trainer.resume=auto"], tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "written by 2 process(es), this run has 1" in res.stdout
+    capsys.readouterr()
+    train_here(args + ["trainer.quiet=false", "trainer.resume=auto"], run)
+    assert "written by 2 process(es), this run has 1" in capsys.readouterr().out
     got, want = (
         weights(run / "checkpoints" / "step-000004"),
         weights(uninterrupted["ddp"] / "checkpoints" / "step-000004"),

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import grpo, tiny
+from conftest import grpo, tiny, train_here
 
 from grpo_cli.config.schema import DataConfig, EnvironmentConfig
 from grpo_cli.data import Example
@@ -456,20 +456,14 @@ def test_bad_environment_settings_are_named_before_loading(compose):
     assert validate(compose(["environment=feedback"])) == validate(compose([]))
 
 
+@pytest.mark.slow  # an end-to-end run (in this process)
 @pytest.mark.parametrize("preset", ["calculator", "feedback"])
 def test_grpo_train_runs_an_environment_preset(tmp_path, preset):
     out = tmp_path / "run"
-    proc = grpo(
-        tiny(
-            f"environment={preset}",
-            "trainer.max_steps=2",
-            "trainer.eval_steps=0",
-            "data.eval_size=4",
-            f"hydra.run.dir={out}",
-        ),
-        tmp_path,
+    # What grpo-train trains, in this process (a failure raises).
+    train_here(
+        tiny(f"environment={preset}", "trainer.max_steps=2", "trainer.eval_steps=0", "data.eval_size=4"), out
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "env/turns" in r]
     assert len(steps) == 2 and all(r["env/turns"] >= 1 for r in steps)
@@ -555,18 +549,18 @@ def _episode_rows(run):
 def test_episodes_are_the_same_on_two_processes_and_after_a_kill_and_resume(tmp_path):
     """Multi-turn episodes sample what one process samples when two share the step (the logged
     conversations, rewards and env/* metrics), and a run killed after a checkpoint and resumed
-    with trainer.resume=auto continues bit for bit."""
-    runs = {}
+    with trainer.resume=auto continues bit for bit. (The processes are the point of the two-process
+    run and the kill; the uninterrupted run and the resume train in this process, with one torch
+    thread as the processes do: the same numbers.)"""
+    runs = {name: tmp_path / name for name in ("one", "two", "killed")}
     for name, extra, fault in [
-        ("one", [], None),
         ("two", ["trainer.num_processes=2"], None),
         ("killed", [], "kill_after_save:2"),
     ]:
-        runs[name] = tmp_path / name
         res = grpo([*EPISODES, *extra, f"hydra.run.dir={runs[name]}"], tmp_path, fault=fault)
         assert res.returncode == (-9 if fault else 0), res.stdout[-3000:] + res.stderr[-3000:]
-    res = grpo([*EPISODES, f"hydra.run.dir={runs['killed']}", "trainer.resume=auto"], tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    train_here(EPISODES, runs["one"])
+    train_here([*EPISODES, "trainer.resume=auto"], runs["killed"])
     one_rows, one_logged = _episode_rows(runs["one"])
     assert [r["step"] for r in one_rows] == [1, 2, 3] and all(r["env/turns"] > 1 for r in one_rows)
     assert any("[user] ok" in r["completion"] or "[tool] ok" in r["completion"] for r in one_logged)

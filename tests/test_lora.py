@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import console_script, run_cli, tiny
+from conftest import console_script, run_cli, tiny, train_here
 
 from grpo_cli.cli.train import train_config as run
 
@@ -285,12 +285,11 @@ def test_training_with_adapters_runs_the_self_check_and_moves_the_adapters(compo
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A short LoRA run through the console script; its final checkpoint."""
-    work = tmp_path_factory.mktemp("lora")
-    run_dir = work / "run"
-    args = [console_script("grpo-train"), *TINY, *LORA, *SIGNAL, "loss.beta=0.04", "trainer.max_steps=3"]
-    res = run_cli(args + [f"hydra.run.dir={run_dir}", "trainer.save_steps=3"], cwd=work, env=ENV)
-    assert res.returncode == 0, res.stdout + res.stderr
+    """A short LoRA run (in this process: its files are grpo-train's); its final checkpoint."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    train_here(
+        [*TINY, *LORA, *SIGNAL, "loss.beta=0.04", "trainer.max_steps=3", "trainer.save_steps=3"], run_dir
+    )
     return run_dir, run_dir / "checkpoints" / "step-000003"
 
 
@@ -313,17 +312,16 @@ def test_checkpoint_holds_the_adapter_in_peft_format(lora_run):
     assert (config.r, config.lora_alpha, config.peft_type.value) == (4, 8, "LORA")
 
 
-def test_grpo_eval_checkpoint_evaluates_base_plus_adapter(lora_run, tmp_path):
+def test_grpo_eval_checkpoint_evaluates_base_plus_adapter(lora_run, tmp_path, monkeypatch):
     """grpo-eval --checkpoint of a LoRA run loads its adapter onto the base model: its greedy
-    reward on the held-out prompts is the training run's final evaluation."""
+    reward on the held-out prompts is the training run's final evaluation. (grpo-eval's main in
+    this process: tests/test_offline_eval.py runs the console script.)"""
+    from grpo_cli.cli.eval import main as grpo_eval
+
     run_dir, ckpt = lora_run
     out = tmp_path / "eval.json"
-    res = run_cli(
-        [console_script("grpo-eval"), "--checkpoint", str(ckpt), "--samples", "0", "--output", str(out)],
-        cwd=tmp_path,
-        env=ENV,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    monkeypatch.chdir(tmp_path)
+    assert grpo_eval(["--checkpoint", str(ckpt), "--samples", "0", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert "LoRA adapter" in result["model"]
     final = read_metrics(run_dir)[-1]
@@ -334,12 +332,13 @@ def test_export_writes_a_merged_model_that_from_pretrained_loads(lora_run, tmp_p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from grpo_cli.cli.export import main as grpo_export
     from grpo_cli.models import build_tiny
 
     run_dir, ckpt = lora_run
     out = tmp_path / "merged"
-    res = run_cli([console_script("grpo-export"), str(ckpt), "--output", str(out)], cwd=tmp_path, env=ENV)
-    assert res.returncode == 0, res.stdout + res.stderr
+    # grpo-export's main in this process (the refusal below runs the console script).
+    assert grpo_export([str(ckpt), "--output", str(out)]) == 0
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
     merged = AutoModelForCausalLM.from_pretrained(out)
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(build_tiny()), str(ckpt))
@@ -354,9 +353,12 @@ def test_export_writes_a_merged_model_that_from_pretrained_loads(lora_run, tmp_p
 
 
 def test_resume_refuses_another_adapter_shape(lora_run, tmp_path):
+    """A UserError, which grpo-train reports with exit status 2 (catalogue case Z6 of
+    tests/test_reliability.py runs a refused resume through the console script)."""
+    from grpo_cli.errors import UserError
+
     run_dir, ckpt = lora_run
     args = [
-        console_script("grpo-train"),
         *TINY,
         "adapter=lora",
         "adapter.r=8",
@@ -365,11 +367,10 @@ def test_resume_refuses_another_adapter_shape(lora_run, tmp_path):
         "loss.beta=0.04",
         "trainer.max_steps=4",
         f"trainer.resume={ckpt}",
-        f"hydra.run.dir={tmp_path / 'r'}",
     ]
-    res = run_cli(args, cwd=tmp_path, env=ENV)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "adapter.r=4" in res.stderr and "adapter.r=8" in res.stderr
+    with pytest.raises(UserError) as refused:
+        train_here(args, tmp_path / "r")
+    assert "adapter.r=4" in str(refused.value) and "adapter.r=8" in str(refused.value)
 
 
 def test_qlora_on_a_cpu_is_one_paragraph_before_anything_loads(tmp_path):

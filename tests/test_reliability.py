@@ -13,7 +13,9 @@ numerical faults are caught, and the security defaults hold.
 5. Security defaults.
 
 Subprocesses run with OMP_NUM_THREADS=1: on a small shared CPU, torch's default thread pool
-makes these tiny runs several times slower.
+makes these tiny runs several times slower. A run whose process is not what a test checks (the
+reference runs, a resume after a kill) trains in the test's process (conftest.train_here), with
+one torch thread as well: the same numbers, bit for bit, without an interpreter's start.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import ROOT, console_script, grpo, grpo_env
+from conftest import ROOT, console_script, grpo, grpo_env, train_here
 
 from grpo_cli.samples import read_records
 
@@ -102,12 +104,8 @@ def tiny_folder() -> Path:
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, tiny_folder) -> Path:
     """A finished 3-step run with checkpoints at steps 2 and 3 (copied by the resume cases)."""
-    work = tmp_path_factory.mktemp("trained")
-    run_dir = work / "run"
-    res = grpo(
-        SMALL + LENGTH + ["trainer.max_steps=3", "trainer.save_steps=2", f"hydra.run.dir={run_dir}"], work
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    train_here(SMALL + LENGTH + ["trainer.max_steps=3", "trainer.save_steps=2"], run_dir)
     return run_dir
 
 
@@ -675,8 +673,7 @@ def test_sigkill_during_a_checkpoint_write_never_leaves_a_corrupt_checkpoint(
     }[fault]
     assert int(found[-1].name.split("-")[1]) == expect_last, names
 
-    res = grpo(args + ["trainer.resume=auto"], tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    train_here(args + ["trainer.resume=auto"], run_dir)  # (the resume, in this process; a failure raises)
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step-000003", "step-000004"], names  # leftovers cleaned up, rotation intact
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
@@ -723,18 +720,16 @@ EXACT_LORA = EXACT + ["adapter=lora", "adapter.r=4", "optimizer.learning_rate=1e
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_folder) -> Path:
-    work = tmp_path_factory.mktemp("uninterrupted")
-    res = grpo(EXACT + [f"hydra.run.dir={work / 'run'}"], work)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return work / "run"
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    train_here(EXACT, run_dir)
+    return run_dir
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_lora(tmp_path_factory, tiny_folder) -> Path:
-    work = tmp_path_factory.mktemp("uninterrupted_lora")
-    res = grpo(EXACT_LORA + [f"hydra.run.dir={work / 'run'}"], work)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return work / "run"
+    run_dir = tmp_path_factory.mktemp("uninterrupted_lora") / "run"
+    train_here(EXACT_LORA, run_dir)
+    return run_dir
 
 
 def _comparable(rows: list[dict]) -> list[dict]:
@@ -753,8 +748,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run_bit_for_bit(
     res = grpo(EXACT + [f"hydra.run.dir={run_dir}"], tmp_path, fault=fault)
     assert res.returncode == code, res.stdout + res.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
-    res = grpo(EXACT + [f"hydra.run.dir={run_dir}", "trainer.resume=auto"], tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    train_here(EXACT + ["trainer.resume=auto"], run_dir)  # (the resume, in this process; a failure raises)
 
     expected, got = read_metrics(uninterrupted), read_metrics(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
@@ -785,8 +779,7 @@ def test_killed_and_resumed_lora_run_equals_the_uninterrupted_run_bit_for_bit(tm
     run_dir = tmp_path / "run"
     res = grpo(EXACT_LORA + [f"hydra.run.dir={run_dir}"], tmp_path, fault="signal_after_step:3:SIGTERM")
     assert res.returncode == 143, res.stdout + res.stderr
-    res = grpo(EXACT_LORA + [f"hydra.run.dir={run_dir}", "trainer.resume=auto"], tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    train_here(EXACT_LORA + ["trainer.resume=auto"], run_dir)  # (in this process; a failure raises)
     expected, got = read_metrics(uninterrupted_lora), read_metrics(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     assert _comparable(got) == _comparable(expected)

@@ -652,32 +652,37 @@ def test_score_option_column_clash(user_mod):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fail", [False, True], ids=["normal-end", "error"])
-def test_a_declared_reward_is_built_on_the_device_and_closed_however_the_run_ends(tmp_path, fail):
+def test_a_declared_reward_is_built_on_the_device_and_closed_however_the_run_ends(
+    tmp_path, fail, monkeypatch
+):
     """A Reward at an import path with build/close (what a reward model needs): grpo-train builds
     it once, on the training device, with its YAML options, and closes it at the end of the run,
-    also when the run ends in an error (the reward's own, re-raised with its name)."""
-    from conftest import grpo, tiny
+    also when the run ends in an error (the reward's own, re-raised with its name). (In this
+    process, what grpo-train trains: an error raised here is one grpo-train reports and exits on.)"""
+    from conftest import tiny, train_here
 
     log = tmp_path / "lifecycle.log"
-    res = grpo(
-        tiny(
-            "+reward.lifecycle.fn=reward_fixtures:LIFECYCLE",
-            "+reward.lifecycle.bonus=0.5",
-            *(["+reward.lifecycle.fail_after=2"] if fail else []),
-            "trainer.max_steps=2",
-            "trainer.eval_steps=0",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ),
-        tmp_path,
-        env={"GRPO_TEST_LIFECYCLE": str(log)},
+    monkeypatch.setenv("GRPO_TEST_LIFECYCLE", str(log))
+    args = tiny(
+        "+reward.lifecycle.fn=reward_fixtures:LIFECYCLE",
+        "+reward.lifecycle.bonus=0.5",
+        *(["+reward.lifecycle.fail_after=2"] if fail else []),
+        "trainer.max_steps=2",
+        "trainer.eval_steps=0",
     )
-    assert log.read_text().splitlines() == ["build device=cpu dist=Dist bonus=0.5", "close"], res.stderr
+    error = None
+    try:
+        train_here(args, tmp_path / "run")
+    except Exception as exc:  # noqa: BLE001 - what grpo-train would report: checked below
+        error = exc
+    assert log.read_text().splitlines() == ["build device=cpu dist=Dist bonus=0.5", "close"], error
     if fail:
-        assert res.returncode != 0 and "reward 'lifecycle' raised RuntimeError: scorer failed on purpose" in (
-            res.stdout + res.stderr
+        assert (
+            error is not None
+            and "reward 'lifecycle' raised RuntimeError: scorer failed on purpose" in str(error)
         )
     else:
-        assert res.returncode == 0, res.stdout + res.stderr
+        assert error is None, error
 
 
 def test_rewards_open_closes_what_it_built_when_a_build_fails():

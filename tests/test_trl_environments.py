@@ -149,12 +149,13 @@ def test_the_native_style_still_takes_its_own_shape(compose):
     assert any("environment.style=trl needs environment.fn" in p for p in problems)
 
 
+@pytest.mark.slow  # an end-to-end run (in this process)
 def test_grpo_train_runs_a_trl_class_with_its_reward(tmp_path):
     """End to end on the tiny model: a TRL class from YAML, its get_reward through the
     `environment` reward, logged each step."""
     import json
 
-    from conftest import grpo, tiny
+    from conftest import tiny, train_here
 
     args = tiny(
         "environment.fn=test_trl_environments:Counter",
@@ -165,8 +166,7 @@ def test_grpo_train_runs_a_trl_class_with_its_reward(tmp_path):
         "trainer.prompts_per_step=2",
         "hydra.run.dir=run",
     )
-    res = grpo(args, tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    train_here(args, tmp_path / "run")  # (what grpo-train trains, in this process; a failure raises)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 and all("rewards/environment/mean" in r and "env/turns" in r for r in steps)
@@ -257,7 +257,9 @@ def test_rewards_get_the_environments_open_and_the_prompts_the_resets_made(tiny_
     assert closed_then == [] and all(isinstance(e, Counter) for e in envs) and len(set(map(id, envs))) == 4
     assert prompts[0][-1]["content"].endswith("What is 2 plus 3? Reach 5.")
     assert prompts[3][-1]["content"].endswith("What is 4 minus 1? Reach 3.")
-    assert scored.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0] and not hasattr(scored.rollout, "environments")
+    assert scored.values[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0] and not hasattr(
+        scored.rollout, "environments"
+    )
     assert sorted(CLOSED) == sorted(map(id, envs))
 
 
@@ -279,12 +281,13 @@ def test_environments_with_worker_processes_is_refused(compose):
     assert any("takes environments" in p and "cannot reach" in p for p in problems), problems
 
 
+@pytest.mark.slow  # an end-to-end run (in this process)
 def test_grpo_train_routes_rows_to_trl_classes_and_hands_rewards_the_environments(tmp_path):
     """End to end from YAML: environment.fn maps two TRL classes, a JSONL file's `environment`
     column routes each row, and a reward in TRL's form scores from the environment objects."""
     import json
 
-    from conftest import TINY_BASE, grpo
+    from conftest import TINY_BASE, train_here
 
     rows = [
         {"prompt": f"Count to {n}.", "answer": str(n), "environment": "counter" if n % 2 else "echo"}
@@ -305,8 +308,7 @@ def test_grpo_train_routes_rows_to_trl_classes_and_hands_rewards_the_environment
         "trainer.prompts_per_step=2",
         "hydra.run.dir=run",
     ]
-    res = grpo(args, tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    train_here(args, tmp_path / "run")  # (what grpo-train trains, in this process; a failure raises)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]
     assert len(steps) == 2 and all("rewards/reached/mean" in r and "env/turns" in r for r in steps)
@@ -343,13 +345,14 @@ DOC_RUNS = {
 }
 
 
+@pytest.mark.slow  # an end-to-end run (in this process)
 @pytest.mark.parametrize("example", list(DOC_RUNS))
 def test_trls_documented_environment_examples_run_unchanged(tmp_path, example):
     """The classes of TRL's GRPO guide (tests/trl_doc_environments.py, cited there), unchanged, in
     a two-step grpo-train on the tiny model: each run trains and logs the episodes' metrics."""
     import json
 
-    from conftest import TINY_BASE, grpo
+    from conftest import TINY_BASE, train_here
 
     rows, overrides = DOC_RUNS[example]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -365,8 +368,7 @@ def test_trls_documented_environment_examples_run_unchanged(tmp_path, example):
         "trainer.prompts_per_step=2",
         "hydra.run.dir=run",
     ]
-    res = grpo(args, tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    train_here(args, tmp_path / "run")  # (what grpo-train trains, in this process; a failure raises)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]
     assert len(steps) == 2 and all("env/turns" in r and "env/tool_call_rate" in r for r in steps)
