@@ -142,3 +142,16 @@ def read_options(plugin: Plugin, node: Mapping[str, Any] | None, where: str) -> 
         return plugin.options(**node)
     except TypeError as exc:
         raise UserError(f"{where}={node}: {exc}") from exc
+
+
+def foreign_keys(package: str, chosen: str, facts_of: Callable[[str], Any]) -> dict[str, str]:
+    """The keys that the other built-ins of `package` read and `chosen` does not (each one's
+    `facts_of(name).keys`), each with the built-in that reads it: a setting the chosen one ignores."""
+    mine = set(facts_of(chosen).keys)
+    return {
+        key: name
+        for name in builtin_names(package)
+        if name != chosen
+        for key in facts_of(name).keys
+        if key not in mine
+    }

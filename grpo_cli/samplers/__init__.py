@@ -181,14 +181,7 @@ def validate(cfg) -> list[str]:
 def foreign_keys(chosen: str) -> dict[str, str]:
     """The flat sampler keys that other built-in backends read and `chosen` does not, each with
     the backend that reads it."""
-    mine = set(plugin(chosen).facts.keys)
-    return {
-        key: name
-        for name in plugins.builtin_names(__name__)
-        if name != chosen
-        for key in plugin(name).facts.keys
-        if key not in mine
-    }
+    return plugins.foreign_keys(__name__, chosen, lambda name: plugin(name).facts)
 
 
 def sampler_correction(loss, sampler) -> str:

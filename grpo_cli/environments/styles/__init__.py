@@ -52,11 +52,4 @@ def plugin(name: str) -> Plugin:
 def foreign_keys(chosen: str) -> dict[str, str]:
     """The environment keys that other built-in styles read and `chosen` does not, each with the
     style that reads it."""
-    mine = set(plugin(chosen).facts.keys)
-    return {
-        key: name
-        for name in plugins.builtin_names(__name__)
-        if name != chosen
-        for key in plugin(name).facts.keys
-        if key not in mine
-    }
+    return plugins.foreign_keys(__name__, chosen, lambda name: plugin(name).facts)
