@@ -36,9 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import pkgutil
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from grpo_cli.errors import UserError
@@ -82,6 +85,25 @@ def is_import_path(name: str) -> bool:
     return "." in str(name) or ":" in str(name)
 
 
+def import_user_module(module_name: str):
+    """importlib.import_module for a module a user names by import path (a plug-in, a reward's or
+    an environment's `fn`). Where it is not importable otherwise but sits in the working directory
+    (`my_rewards.py`, or a package folder), the working directory is put first on the import path,
+    once, as `python -m` does, and the import retried: `fn=my_rewards:f` works from the folder that
+    holds my_rewards.py without PYTHONPATH=. (a console script's own folder is first instead)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".", 1)[0]
+        cwd = os.getcwd()
+        here = Path(cwd, f"{top}.py").is_file() or Path(cwd, top).is_dir()
+        if exc.name != top or not here or cwd in sys.path or "" in sys.path:
+            raise
+    sys.path.insert(0, cwd)
+    importlib.invalidate_caches()
+    return importlib.import_module(module_name)
+
+
 def load(package: str, name: str, where: str) -> Plugin:
     """The plug-in called `name`: the built-in module `package.name`, or the module at the import
     path `name` (`pkg.mod`, or `pkg.mod:ATTR` for a declaration not called PLUGIN). where: the key
@@ -98,7 +120,7 @@ def load(package: str, name: str, where: str) -> Plugin:
         module_name, _, attr = str(name).partition(":")
         attr = attr or "PLUGIN"
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except ImportError as exc:
         raise UserError(
             f"{where}={name!r}: module {module_name!r} cannot be imported ({exc}). Install it, or run from "

@@ -150,10 +150,12 @@ def composed(overrides: list[str] | None = None):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    import grpo_cli.config  # noqa: F401  registers the schema and the run-id resolver
+    from grpo_cli.config import task  # (importing grpo_cli.config registers the schema and resolvers)
 
     with initialize_config_module(config_module="grpo_cli.conf", version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides or [])
+        cfg = hydra_compose(config_name="config", overrides=overrides or [])
+    task.apply(cfg, overrides or [])  # the task's rewards where none are chosen, as grpo-train does
+    return cfg
 
 
 @pytest.fixture

@@ -217,3 +217,26 @@ def test_gsm8k_accuracy_reads_the_stated_answer(compose):
         STEP_BY_STEP + " The answer is 73.",  # two different stated answers: strict gives 0
     ]
     assert accuracy(completions, answer=[gold] * 4, **options) == [1.0, 1.0, 0.0, 0.0]
+
+
+def _options():
+    """Every option of every typed group: (group, option)."""
+    return [(g, p.stem) for g in TYPED for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_an_experiment_never_replaces_what_a_chosen_group_sets(compose, experiment):
+    """`experiment=X group=option`: every key the option sets (differs from the default option)
+    keeps the option's value, whatever the experiment holds: an experiment's own keys are merged
+    after every group, so it may set only keys no option of a group sets (the others go in a
+    preset it chooses, as gsm8k's trainer and optimizer do)."""
+    default = plain(compose([]))
+    for group, option in _options():
+        alone = plain(compose([f"{group}={option}"]))
+        both = plain(compose([f"experiment={experiment}", f"{group}={option}"]))
+        for key, value in _leaves(alone[group]):
+            if OmegaConf.select(OmegaConf.create(default), f"{group}.{key}") != value:
+                got = OmegaConf.select(OmegaConf.create(both), f"{group}.{key}")
+                assert got == value, (
+                    f"experiment={experiment} {group}={option}: {group}.{key}={got!r}, not {value!r}"
+                )

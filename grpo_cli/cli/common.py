@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.config import Config, to_typed, validate
+from grpo_cli.config import Config, task, to_typed, validate
 from grpo_cli.config.renamed import apply_renames
 from grpo_cli.errors import UserError
 
@@ -52,6 +52,9 @@ def compose_config(
         raise UserError(message) from exc
     for note in apply_renames(cfg):  # an old key's name (a saved config's too): read as the new one
         print(f"note: {note}", file=sys.stderr, flush=True)
+    if not checkpoint:  # (a saved config names its rewards)
+        for note in task.apply(cfg, overrides):  # the task's rewards where the user chose none
+            print(f"note: {note}", file=sys.stderr, flush=True)
     if check:
         problems = validate(cfg, unused_ok=bool(checkpoint))
         if problems:

@@ -29,7 +29,7 @@ from grpo_cli import distributed, memory, plots
 from grpo_cli.cli.compose_errors import STDERR as _STDERR
 from grpo_cli.cli.compose_errors import explain_compose_error as _explain_compose_error
 from grpo_cli.cli.sweep import RunFailed, Sweep
-from grpo_cli.config import to_typed, unused_settings, validate
+from grpo_cli.config import inert_settings, task, to_typed, unused_settings, validate
 from grpo_cli.config.renamed import apply_renames
 from grpo_cli.errors import (
     EXIT_DIVERGED,
@@ -48,6 +48,7 @@ _task_started = False
 _training_started = False
 _PREEXISTING: set[Path] = set()
 _SWEEP = Sweep()
+_NOTED: set[str] = set()  # notes already printed (a sweep's jobs share them)
 
 
 def save_run_record(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
@@ -158,7 +159,8 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
     trainer.num_processes > 1: start that many workers (this same command) and wait for them;
     a worker (started by torchrun or by that launcher) joins the others first."""
     d = distributed.from_env()
-    for note in apply_renames(cfg):  # an old key's name: read as the new one
+    # An old key's name, read as the new one; the task's rewards where the user chose none.
+    for note in apply_renames(cfg) + task.apply(cfg, overrides):
         if d.is_main:
             print(f"grpo-train: note: {note}", file=sys.stderr, flush=True)
     # A sweep job's workers (trainer.num_processes) run as plain runs: the launcher marks them.
@@ -166,6 +168,11 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
     if in_sweep and d.is_main:  # a setting shared by every job of a sweep may not apply to this one
         for note in unused_settings(cfg):
             print(f"grpo-train: note: {note}", file=sys.stderr, flush=True)
+    if d.is_main and not problems:  # a key set (or swept) that cannot change this training
+        for note in inert_settings(cfg, [o.lstrip("+").split("=", 1)[0] for o in overrides]):
+            if note not in _NOTED:
+                _NOTED.add(note)  # (once per sweep, not once per job)
+                print(f"grpo-train: note: {note}", file=sys.stderr, flush=True)
     if problems:
         if not d.is_main:  # every rank finds the same problems; rank 0 reports them
             raise QuietExit(EXIT_USER_ERROR)
@@ -359,6 +366,59 @@ def _default_signals() -> None:
             pass
 
 
+def _print_job_configs(args: list[str]) -> bool:
+    """`--cfg job` (also with -m and --resolve): each job's config as grpo-train composes it, the
+    task's rewards included (Hydra's own printer shows the defaults list's, and refuses -m).
+    False where the arguments do not ask for it; a bad override is one paragraph, exit status 2."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from grpo_cli.cli.common import compose_config
+
+    wanted, rest, config_dir, i = None, [], None, 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--cfg", "-c") and i + 1 < len(args):
+            wanted, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--cfg="):
+            wanted = arg.split("=", 1)[1]
+        elif arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            config_dir, i = args[i + 1], i + 2
+            continue
+        elif arg not in ("-m", "--multirun", "--resolve"):
+            rest.append(arg)
+        i += 1
+    if wanted is None:
+        return False
+    if wanted != "job" or any(a.startswith("-") for a in rest):
+        if "-m" in args or "--multirun" in args:
+            report_and_exit(
+                "grpo-train",
+                [
+                    f"--cfg {wanted} prints one config and cannot be combined with -m; drop -m to see it, "
+                    "or use `grpo-train --cfg job -m ...`, which prints every job's config."
+                ],
+                code=EXIT_USER_ERROR,
+            )
+        return False  # (Hydra's own printer: --cfg hydra / all, --package)
+    try:
+        parsed = OverridesParser.create().parse_overrides(rest)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
+        for num, job in enumerate(jobs):
+            cfg = compose_config(job, config_dir=config_dir, check=False)
+            if len(jobs) > 1:
+                print(f"# job {num}: {' '.join(job)}")
+            print(OmegaConf.to_yaml(cfg, resolve="--resolve" in args), end="", flush=True)
+    except UserError as exc:
+        report_and_exit("grpo-train", [str(exc)], code=EXIT_USER_ERROR)
+    except (HydraException, OmegaConfBaseException) as exc:  # (a sweep's grammar)
+        report_and_exit("grpo-train", [str(exc).strip().splitlines()[0]], code=EXIT_USER_ERROR)
+    return True
+
+
 def main() -> None:
     # Until the engine takes over (it finishes the current step and saves), SIGINT/SIGTERM
     # stop at once: nothing has been trained, so nothing is saved.
@@ -368,6 +428,8 @@ def main() -> None:
         except ValueError:  # not the main thread
             pass
     _note_preexisting(sys.argv[1:])
+    if _print_job_configs(sys.argv[1:]):
+        return
     _STDERR.start()
     try:
         _train()

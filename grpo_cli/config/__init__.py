@@ -34,7 +34,8 @@ from grpo_cli.config.schema import (
     SamplerConfig,
     TrainerConfig,
 )
-from grpo_cli.config.validation import choices, unused_settings, validate
+from grpo_cli.config.task import resolve_max_new_tokens
+from grpo_cli.config.validation import choices, inert_settings, unused_settings, validate
 
 __all__ = [
     "AdapterConfig",
@@ -46,6 +47,7 @@ __all__ = [
     "SamplerConfig",
     "TrainerConfig",
     "choices",
+    "inert_settings",
     "register",
     "to_typed",
     "unused_settings",
@@ -77,8 +79,8 @@ def register() -> None:
     """Register the schema that conf/config.yaml extends (`defaults: [grpo_schema, ...]`), the
     built-in rewards' typed nodes (`reward/<name>_schema`, which conf/reward/<name>.yaml extends:
     a misspelt option or a wrong type fails while Hydra composes, and every option can be set
-    without a `+`), and the `grpo_run_id` resolver of the run folder names. Idempotent; done when
-    this module loads."""
+    without a `+`), the `grpo_run_id` resolver of the run folder names and the `grpo_task` resolver
+    of the task's defaults (config/task.py). Idempotent; done when this module loads."""
     from grpo_cli.rewards import REGISTRY  # (each built-in's declaration: rewards.Reward)
 
     store = ConfigStore.instance()
@@ -89,6 +91,8 @@ def register() -> None:
                 group="reward", name=f"{name}_schema", node={name: reward_node(name, declared.options)}
             )
     OmegaConf.register_new_resolver("grpo_run_id", lambda: RUN_ID, replace=True)
+    # sampler.max_new_tokens's default, the task's own (config/task.py)
+    OmegaConf.register_new_resolver("grpo_task", resolve_max_new_tokens, replace=True)
 
 
 register()

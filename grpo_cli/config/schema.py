@@ -81,9 +81,11 @@ class SamplerConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
-    # Answers are a few tokens; 16 leaves room for "The answer is -12." and cuts rambling short
-    # (a truncated ramble states no answer and scores 0), halving rollout time versus 32.
-    max_new_tokens: int = 16
+    # The completion's (an episode's: each turn's) token limit. Unset: the task's own, declared by
+    # its data source (16 for the built-in arithmetic, whose answers are a few tokens; 256 for a
+    # file, the hub, a mix and reasoning-gym: TRL's default until 1.9) or by the environment
+    # style (grpo_cli/config/task.py); `grpo-train --cfg job` shows which.
+    max_new_tokens: int = "${grpo_task:max_new_tokens}"  # type: ignore[assignment] (resolved on read)
     max_prompt_length: int = 256
     # Sample max_new_tokens for every completion, EOS or not (benchmarks: equal token counts).
     ignore_eos: bool = False

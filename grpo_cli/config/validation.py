@@ -291,6 +291,28 @@ _DATASET_KEYS = {
 _GENERATOR_KEYS = ("num_examples", "max_operand", "max_multiplier", "operations", "wide_eval_max_operand")
 
 
+def inert_settings(cfg: Any, keys: list[str]) -> list[str]:
+    """Of `keys` (the command line's, as `loss.epsilon`), those that cannot change this run's
+    training, each with why and what would make it act: a sweep over one trains alike jobs."""
+    from grpo_cli.errors import UserError
+    from grpo_cli.samplers import plugin as sampler_plugin
+
+    notes = []
+    try:
+        exact = sampler_plugin(cfg.sampler.backend).facts.exact_draw
+    except UserError:  # (validation names the backend)
+        return []
+    if cfg.trainer.num_iterations == 1 and exact:
+        for key in ("loss.epsilon", "loss.epsilon_high"):
+            if key in keys:
+                notes.append(
+                    f"{key} has no effect here: with trainer.num_iterations=1 and an exact sampler the policy "
+                    "that sampled is the one updated, so the ratio is 1 and the clip never acts (jobs that "
+                    "differ only in it train alike); set trainer.num_iterations=2 or more for it to act."
+                )
+    return notes
+
+
 def unused_settings(cfg: Any) -> list[str]:
     """Keys set to a non-default value that the chosen option ignores (data.path with the built-in
     arithmetic, adapter.r without adapters, ...), each with the option to choose."""

@@ -35,9 +35,15 @@ LONG_PROMPT_RULES = ("drop", "truncate_left", "error")
 @dataclass(frozen=True)
 class Facts:
     """What a data source declares: wide_eval(d, seed) -> rows of a second held-out set (None:
-    it has none)."""
+    it has none); and the defaults its task needs, used where the user set none
+    (grpo_cli/config/task.py): max_new_tokens, the completion length its answers need (256:
+    a few paragraphs of reasoning, TRL's max_completion_length until 1.9 (1.16's is 512); a task
+    whose answers are short says so), and rewards,
+    the rewards that score it, its correctness reward first."""
 
     wide_eval: Callable[[Any, int], list[dict]] | None = None
+    max_new_tokens: int = 256
+    rewards: tuple[str, ...] = ("accuracy",)
 
 
 @dataclass

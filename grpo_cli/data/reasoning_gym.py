@@ -296,4 +296,11 @@ def rows(d, seed: int, options: Options) -> tuple[list[dict], list[dict]]:
     )
 
 
-PLUGIN = Plugin(name="reasoning_gym", build=rows, options=Options, check=check, facts=Facts())
+PLUGIN = Plugin(
+    name="reasoning_gym",
+    build=rows,
+    options=Options,
+    check=check,
+    # Each task's own scorer (its answers are words, lists and numbers: not the math accuracy's).
+    facts=Facts(rewards=("reasoning_gym",)),
+)

@@ -52,7 +52,6 @@ prompt lists the tools (their docstrings' first lines) and shows worked examples
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -60,7 +59,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_cli import calls
+from grpo_cli import calls, plugins
 from grpo_cli.environments import styles
 from grpo_cli.errors import UserError
 
@@ -276,7 +275,7 @@ def load_object(path: str, what: str):
     if not sep or not module_name or not attr:
         raise UserError(f"{what}={path!r} is not an import path; write it as package.module:name.")
     try:
-        module = importlib.import_module(module_name)
+        module = plugins.import_user_module(module_name)
     except ImportError as exc:
         raise UserError(
             f"{what}={path!r}: module {module_name!r} cannot be imported ({exc}). Install it, or run "

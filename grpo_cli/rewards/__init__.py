@@ -139,7 +139,7 @@ def _resolve_import_path(name: str, path: str) -> Callable:
             f"or package.module.function. {_import_path_help(name)}"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = plugins.import_user_module(module_name)
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if missing == module_name or module_name.startswith(missing + "."):
@@ -405,6 +405,11 @@ def check_reward_columns(rewards: Sequence[RewardSpec], rows: list[dict], data_c
                     f"reward.{spec.name} needs the gold answer of each prompt, but a record of {where} has no "
                     f"{column!r} (prompt {prompt!r}); add its answer or remove that record."
                 )
+    for spec in rewards:  # rows a reward cannot score (text answers for the math accuracy)
+        if spec.reward.facts.check_rows is not None and rows:
+            problems = spec.reward.facts.check_rows(rows, spec.options)
+            if problems:
+                raise UserError(" ".join(problems))
     for spec in rewards:  # the columns a reward reads (a judge's template: Reward.columns)
         columns = spec.reward.facts.columns
         if columns is None or not rows:

@@ -406,4 +406,28 @@ def accuracy(
     return rewards
 
 
-REWARD = Reward(name="accuracy", fn=accuracy, options=Options, check=check_options, role=ROLE)
+def check_rows(rows: list[dict], options: Mapping[str, Any]) -> list[str]:
+    """The data's gold answers that hold no number or expression (words, True/False, lists of
+    words): this reward cannot score them, and would stop the run at the first one it meets."""
+    column = options.get("answer_column", Options.answer_column)
+    timeout = _timeout(options.get("timeout_s", Options.timeout_s))
+    golds = [row.get(column) for row in rows if row.get(column) is not None]
+    # (a gold with a digit parses; math-verify is asked only about the others)
+    text = [
+        g for g in golds if not re.search(r"\d", _gold_text(g)) and not _parse("gold", _gold_text(g), timeout)
+    ]
+    if not text:
+        return []
+    examples = ", ".join(repr(str(g)[:30]) for g in text[:3])
+    return [
+        f"reward.accuracy compares numbers and math expressions (math-verify), but {len(text)} of the "
+        f"data's {len(golds)} gold answers in column {column!r} hold none ({examples}): it cannot score "
+        "them. A task with answers in words needs its own scorer: reward=[reasoning_gym] for "
+        "data=reasoning_gym, or a reward function of yours that compares text "
+        "(reward=[] +reward.mine.fn=my_module:my_reward; docs/rewards.md)."
+    ]
+
+
+REWARD = Reward(
+    name="accuracy", fn=accuracy, options=Options, check=check_options, role=ROLE, check_rows=check_rows
+)

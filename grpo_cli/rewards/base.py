@@ -53,11 +53,13 @@ NODE_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Node))
 class Facts:
     """What the rest of the code may rely on about a reward (a Plugin's `facts`, spelled out as
     Reward's own fields): its role (ROLES), whether NaN is a value it may return (nan_ok), and
-    columns(options) -> the dataset columns it reads (None: none beyond the answer column)."""
+    columns(options) -> the dataset columns it reads (None: none beyond the answer column);
+    check_rows(rows, options) -> problems with the data's rows that it cannot score."""
 
     role: str = "shaping"
     nan_ok: bool = False
     columns: Callable[..., list[str]] | None = None
+    check_rows: Callable[..., list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Reward:
       call failed under on_error=nan). Its group is then left out of the loss, counted in
       rewards/<name>/failures. (For any other reward a NaN is an error.)
     columns(options) -> the dataset columns it reads, checked against the data before training.
+    check_rows(rows, options) -> problems: rows it cannot score (gold answers of another kind than
+      it reads), one paragraph each, checked against the data before any model loads.
 
     A scoring function (fn, or what build made) may be async: calling it returns an awaitable,
     and the step awaits every async reward together on one loop (rewards/aio.py). It may have a
@@ -93,6 +97,7 @@ class Reward:
     close: Callable[[Callable[..., list]], None] | None = None
     nan_ok: bool = False
     columns: Callable[..., list[str]] | None = None
+    check_rows: Callable[..., list[str]] | None = None
 
     def __post_init__(self):
         if (self.fn is None) == (self.build is None):
@@ -100,8 +105,8 @@ class Reward:
 
     @property
     def facts(self) -> Facts:
-        """Its facts as one record (role, nan_ok, columns)."""
-        return Facts(role=self.role, nan_ok=self.nan_ok, columns=self.columns)
+        """Its facts as one record (role, nan_ok, columns, check_rows)."""
+        return Facts(role=self.role, nan_ok=self.nan_ok, columns=self.columns, check_rows=self.check_rows)
 
 
 @dataclass

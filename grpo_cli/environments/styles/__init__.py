@@ -13,7 +13,9 @@ rule. Config validation takes the names from the modules. What this package asks
     check(env) -> problems            its checks of the environment section, run by validation
     options                           none (the environment section has no options node)
     facts: Facts                      what environment.fn names under it, whether plain tools may
-                                      stand in for it, the keys it alone reads
+                                      stand in for it, the keys it alone reads, and
+                                      the task defaults it declares (rewards,
+                                      max_new_tokens; None: the data source's)
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ class Facts:
     """What a style declares. fn: what environment.fn names under it, as messages say it ("the TRL
     environment class by import path (environment.fn=my_pkg.envs:MyEnv)"); tools: environment.tools
     (plain functions, which make a ToolEnv) may stand in for environment.fn; keys: the keys of the
-    environment section that it alone reads (validation reports them set under another style)."""
+    environment section that it alone reads (validation reports them set under another style);
+    rewards and max_new_tokens: the task defaults it declares where the user sets none
+    (grpo_cli/config/task.py), None: the data source's."""
 
     fn: str = "an import path (my_pkg.envs:MyEnv)"
     tools: bool = False
     keys: tuple[str, ...] = ()
+    rewards: tuple[str, ...] | None = None
+    max_new_tokens: int | None = None
 
 
 def plugin(name: str) -> Plugin:

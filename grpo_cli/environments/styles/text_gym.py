@@ -25,5 +25,6 @@ PLUGIN = Plugin(
     facts=Facts(
         fn="a skyrl-gym environment id or BaseTextEnv class (environment.fn=gsm8k)",
         keys=("env_config", "reward_turns"),
+        rewards=("environment",),  # its step rewards score the episode (environment.reward_turns)
     ),
 )

@@ -27,5 +27,9 @@ def build(cfg: Any, path: str, where: str) -> Callable[[], Any]:
 PLUGIN = Plugin(
     name="trl",
     build=build,
-    facts=Facts(fn="the TRL environment class by import path (environment.fn=my_pkg.envs:MyEnv)"),
+    # Its get_reward() scores the episode, as TRL's environment_factory runs do.
+    facts=Facts(
+        fn="the TRL environment class by import path (environment.fn=my_pkg.envs:MyEnv)",
+        rewards=("environment",),
+    ),
 )
