@@ -32,7 +32,7 @@ QLORA_NEEDS_CUDA = (
     "4-bit training kernels need a CUDA GPU, and this run's device is the CPU. Train with plain LoRA "
     "instead (adapter=lora: the frozen base stays in fp32, or in bf16 with trainer.precision=bf16), which "
     "needs more memory for the frozen weights and nothing else; or run on a machine with a CUDA GPU "
-    "(pip install 'grpo-cli[qlora]' there)."
+    "(pip install -e '.[qlora]' in grpo-cli's folder there)."
 )
 
 
@@ -47,7 +47,7 @@ def check_quantization(quantization: str, device) -> None:
     if find_spec("bitsandbytes") is None:
         raise UserError(
             "adapter.quantization=4bit (QLoRA) needs the bitsandbytes package, which is not installed; "
-            "install it with pip install 'grpo-cli[qlora]' (or pip install bitsandbytes), or train with "
+            "install it with pip install -e '.[qlora]' in grpo-cli's folder (or pip install bitsandbytes), or train with "
             "plain LoRA: adapter=lora."
         )
 

@@ -364,6 +364,18 @@ class Recommendation:
     reason: str
 
 
+def sampler_share(sampler, shape: ModelShape, device_type: str, total_bytes: int, precision: str) -> int:
+    """The memory a sampler with its own engine holds beside training, which training cannot use:
+    vLLM's gpu_memory_utilization of the GPU (weights, activations and KV cache, reserved when
+    the engine starts), or on a CPU its KV cache (kv_cache_gib) and its copy of the weights at
+    the run's precision. 0 for the built-in sampler (it is the policy)."""
+    if sampler.backend != "vllm":
+        return 0
+    if device_type == "cuda":
+        return int(float(sampler.gpu_memory_utilization) * total_bytes)
+    return int(float(sampler.kv_cache_gib) * 2**30) + activation_bytes(precision) * shape.total_params
+
+
 def fits(total: int, available_bytes: int) -> bool:
     """Whether `total` bytes plus HEADROOM of them fit: estimates are rough, allocators fragment."""
     return total * (1 + HEADROOM) <= available_bytes
@@ -394,7 +406,7 @@ def recommend(
         return Recommendation(
             "qlora",
             f"neither fits in {have} ({', '.join(tried)}); QLoRA needs ~{_gib(qlora.total)} "
-            "(pip install 'grpo-cli[qlora]').",
+            "(pip install -e '.[qlora]' in grpo-cli's folder).",
         )
     if cuda and qlora:
         tried.append(f"qlora ~{_gib(qlora.total)}")

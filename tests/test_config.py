@@ -5,11 +5,12 @@ from __future__ import annotations
 from importlib.util import find_spec
 
 import pytest
-from conftest import CONF
+from conftest import CONF, ROOT
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_cli.config import validate
+from grpo_cli.data.reasoning_gym import MISSING_PACKAGE
 
 # experiment: global presets (conf/experiment/, tests/test_experiments.py) that choose options of
 # several groups and may set keys in any of them.
@@ -33,11 +34,13 @@ def test_every_shipped_option_composes(compose, group, option, monkeypatch):
     cfg = compose([override] + extra)
     assert group == "experiment" or cfg[group] is not None  # an experiment is global: no key of its own
     problems = validate(cfg)
-    if (group, option) == ("data", "reasoning_gym") and find_spec("reasoning_gym") is None:
+    needs_reasoning_gym = cfg.data.source == "reasoning_gym"  # (its presets, the experiment too)
+    if needs_reasoning_gym and find_spec("reasoning_gym") is None:
         # An optional extra not installed here (the oldest-versions leg): its one-paragraph install message.
-        assert problems == [
-            "data.source=reasoning_gym needs the reasoning-gym package: pip install 'grpo-cli[reasoning-gym]'"
-        ]
+        assert problems == [MISSING_PACKAGE]
+        return
+    if (group, option) == ("data", "rows"):  # rows given in Python (grpo_cli.train): none here
+        assert len(problems) == 1 and "grpo_cli.train(train_rows=...)" in problems[0]
         return
     assert problems == [], f"shipped preset {group}/{option} does not validate"
 
@@ -424,7 +427,7 @@ def test_a_missing_tracker_package_names_its_pip_command(compose, trackers, monk
     problems = validate(compose([f"trainer.report_to=[jsonl,tensorboard,{name}]"]))
     assert len(problems) == 1, problems
     assert f"the {name} package is not installed" in problems[0]
-    assert f"pip install 'grpo-cli[{name}]'" in problems[0]
+    assert f"pip install -e '.[{name}]' in grpo-cli's folder" in problems[0]
     kept = "trainer.report_to=[jsonl]" if name == "tensorboard" else "trainer.report_to=[jsonl,tensorboard]"
     assert kept in problems[0], problems[0]
 
@@ -606,3 +609,15 @@ def test_a_renamed_key_is_read_under_its_old_name_with_a_note(tmp_path):
     res = run_cli(args, tmp_path)
     assert res.returncode == 2 and "sampler.num_generations=1" in res.stderr, res.stderr
     assert "sampler.stall_timeout is now sampler.stall_timeout_s" in res.stderr
+
+
+def test_the_vllm_extra_allows_what_the_sampler_accepts():
+    """pyproject.toml's vllm extra starts at the sampler's MIN_VERSION: an install never gets a
+    vLLM the sampler refuses."""
+    import re
+
+    from grpo_cli.samplers.vllm import MIN_VERSION
+
+    text = (ROOT / "pyproject.toml").read_text()
+    (bound,) = re.findall(r'^vllm = \["vllm>=([0-9.]+)"\]', text, flags=re.M)
+    assert tuple(int(x) for x in bound.split(".")) == MIN_VERSION

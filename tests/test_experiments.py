@@ -219,24 +219,45 @@ def test_gsm8k_accuracy_reads_the_stated_answer(compose):
     assert accuracy(completions, answer=[gold] * 4, **options) == [1.0, 1.0, 0.0, 0.0]
 
 
-def _options():
-    """Every option of every typed group: (group, option)."""
-    return [(g, p.stem) for g in TYPED for p in sorted((CONF / g).glob("*.yaml"))]
+@pytest.fixture(scope="module")
+def set_by_options():
+    """Every option of every typed group, with the keys it sets (those that differ from the
+    default config's): {(group, option): {key: value}}."""
+    from conftest import composed
+
+    default = OmegaConf.create(plain(composed([])))
+    out = {}
+    for group in TYPED:
+        for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+            alone = plain(composed([f"{group}={option}"]))
+            out[group, option] = {
+                f"{group}.{key}": value
+                for key, value in _leaves(alone[group])
+                if OmegaConf.select(default, f"{group}.{key}") != value
+            }
+    return out
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_an_experiment_never_replaces_what_a_chosen_group_sets(compose, experiment):
-    """`experiment=X group=option`: every key the option sets (differs from the default option)
-    keeps the option's value, whatever the experiment holds: an experiment's own keys are merged
-    after every group, so it may set only keys no option of a group sets (the others go in a
-    preset it chooses, as gsm8k's trainer and optimizer do)."""
-    default = plain(compose([]))
-    for group, option in _options():
-        alone = plain(compose([f"{group}={option}"]))
-        both = plain(compose([f"experiment={experiment}", f"{group}={option}"]))
-        for key, value in _leaves(alone[group]):
-            if OmegaConf.select(OmegaConf.create(default), f"{group}.{key}") != value:
-                got = OmegaConf.select(OmegaConf.create(both), f"{group}.{key}")
-                assert got == value, (
-                    f"experiment={experiment} {group}={option}: {group}.{key}={got!r}, not {value!r}"
-                )
+def test_an_experiment_never_replaces_what_a_chosen_group_sets(compose, experiment, set_by_options):
+    """`experiment=X group=option`: every key the option sets keeps the option's value, whatever
+    the experiment holds. An experiment's own keys are merged after every group, so it may set
+    only keys no option sets (the others go in a preset it chooses, as gsm8k's trainer and
+    optimizer do); so only options that set one of its own keys are composed with it."""
+    body = yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text()) or {}
+    own = {f"{group}.{key}" for group in set(body) & set(TYPED) for key, _ in _leaves(body[group])}
+    for (group, option), keys in set_by_options.items():
+        clashes = {key: value for key, value in keys.items() if key in own}
+        if not clashes:
+            continue
+        both = OmegaConf.create(plain(compose([f"experiment={experiment}", f"{group}={option}"])))
+        for key, value in clashes.items():
+            got = OmegaConf.select(both, key)
+            assert got == value, f"experiment={experiment} {group}={option}: {key}={got!r}, not {value!r}"
+
+
+def test_the_clash_check_finds_an_experiment_key_an_option_sets(set_by_options):
+    """The check above can fail: trainer=smoke sets trainer.max_steps, the key gsm8k's trainer
+    preset holds (as an experiment key it would have replaced smoke's 5)."""
+    assert set_by_options["trainer", "smoke"]["trainer.max_steps"] == 5
+    assert "trainer.max_steps" in set_by_options["trainer", "gsm8k"]

@@ -380,3 +380,31 @@ def test_the_estimate_counts_the_teacher(capsys):
     assert without["teacher"] == 0 and full["teacher"] == 4 * params
     assert full["total"] == without["total"] + full["teacher"]
     assert "teacher" in format_estimate(est)
+
+
+@pytest.mark.parametrize(
+    "overrides, share_gib",
+    [
+        ([], 0.0),  # the built-in sampler is the policy: nothing beside it
+        (["sampler=vllm", "trainer.device=cuda"], 24 * 0.3),  # gpu_memory_utilization of the GPU
+        (["sampler=vllm", "trainer.device=cuda", "sampler.gpu_memory_utilization=0.5"], 12.0),
+    ],
+)
+def test_the_estimate_leaves_vllms_share_of_the_device_to_it(overrides, share_gib):
+    from grpo_cli.cli.check_env import memory_estimate
+
+    info = {"vram_gib": None, "ram_gib": 24.0, "cuda_available": False, "bf16_supported": False}
+    est = memory_estimate("qwen0.5b", overrides, info, memory_gib=24)
+    assert est["sampler_share_bytes"] == pytest.approx(share_gib * 2**30, abs=1)
+    assert est["available_bytes"] == pytest.approx((24 - share_gib) * 2**30, abs=1)
+
+
+def test_the_estimate_counts_vllms_cpu_engine():
+    """On a CPU vLLM holds its KV cache (sampler.kv_cache_gib) and its own copy of the weights."""
+    from grpo_cli import memory
+    from grpo_cli.cli.check_env import memory_estimate
+
+    info = {"vram_gib": None, "ram_gib": 24.0, "cuda_available": False, "bf16_supported": False}
+    est = memory_estimate("qwen0.5b", ["sampler=vllm", "sampler.kv_cache_gib=2"], info, memory_gib=24)
+    weights = 4 * memory.model_shape(memory.resolve_model_config("qwen0.5b")).total_params  # fp32
+    assert est["sampler_share_bytes"] == 2 * 2**30 + weights

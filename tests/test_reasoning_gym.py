@@ -14,7 +14,8 @@ from conftest import tiny, train_here
 from omegaconf import OmegaConf
 
 pytest.importorskip(
-    "reasoning_gym", reason="reasoning-gym is not installed (pip install 'grpo-cli[reasoning-gym]')"
+    "reasoning_gym",
+    reason="reasoning-gym is not installed (pip install -e '.[reasoning-gym]' in grpo-cli's folder)",
 )
 
 from grpo_cli.build import read_data  # noqa: E402

@@ -354,7 +354,7 @@ def test_a_failed_sweep_job_leaves_no_model_alive(compose, tmp_path, monkeypatch
         )
         sweep = Sweep()
         sweep.run_job(
-            lambda: train._run(cfg, tmp_path / "0", [], in_sweep=True),
+            lambda: train.run_one(cfg, tmp_path / "0", [], in_sweep=True),
             sweep_dir=tmp_path,
             run_dir=tmp_path / "0",
             overrides=[],
@@ -385,7 +385,7 @@ def test_a_run_that_trained_draws_its_plot_even_on_error_and_bad_input_draws_non
     real_figure = plots.run_figure
     monkeypatch.setattr(train, "train_config", run)
     with pytest.raises(RunFailed, match="disk full"):
-        train._run(compose(["model=tiny"]), tmp_path / "run", [], in_sweep=False)
+        train.run_one(compose(["model=tiny"]), tmp_path / "run", [], in_sweep=False)
     assert_png(tmp_path / "run" / "metrics.png")
 
     def no_figure(*args, **kwargs):
@@ -394,7 +394,7 @@ def test_a_run_that_trained_draws_its_plot_even_on_error_and_bad_input_draws_non
     monkeypatch.setattr(plots, "run_figure", no_figure)
     shutil.rmtree(tmp_path / "run")
     with pytest.raises(RunFailed, match="disk full"):  # the error is not hidden by the plot's
-        train._run(compose(["model=tiny"]), tmp_path / "run", [], in_sweep=False)
+        train.run_one(compose(["model=tiny"]), tmp_path / "run", [], in_sweep=False)
     assert "could not draw the plots" in capsys.readouterr().err
 
     def bad_resume(
@@ -407,7 +407,7 @@ def test_a_run_that_trained_draws_its_plot_even_on_error_and_bad_input_draws_non
     shutil.rmtree(tmp_path / "run")
     fake_run(tmp_path / "run")  # an earlier run's folder, resumed with bad input
     with pytest.raises(RunFailed):
-        train._run(compose(["model=tiny"]), tmp_path / "run", [], in_sweep=False)
+        train.run_one(compose(["model=tiny"]), tmp_path / "run", [], in_sweep=False)
     assert not (tmp_path / "run" / "metrics.png").exists()
 
 
@@ -430,7 +430,8 @@ def test_report_to_validation(compose, monkeypatch):
     problems = validate(compose(["trainer.report_to=[tensorboard]"]))
     assert any("must include jsonl" in p for p in problems)
     assert any(
-        "tensorboard package is not installed" in p and "pip install 'grpo-cli[tensorboard]'" in p
+        "tensorboard package is not installed" in p
+        and "pip install -e '.[tensorboard]' in grpo-cli's folder" in p
         for p in problems
     )
 

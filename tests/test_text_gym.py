@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_environments import ScriptedSampler, _episodes, _examples
 
-pytest.importorskip("skyrl_gym", reason="environment.style=text_gym needs skyrl-gym (grpo-cli[skyrl-gym])")
+pytest.importorskip("skyrl_gym", reason="environment.style=text_gym needs skyrl-gym (the skyrl-gym extra)")
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # noqa: E402
 
@@ -187,7 +187,9 @@ def test_a_bad_env_id_or_a_missing_package_is_one_paragraph(compose, monkeypatch
 
     monkeypatch.setitem(sys.modules, "skyrl_gym", None)  # import skyrl_gym: ImportError
     problems = validate(compose(["environment.style=text_gym", "environment.fn=gsm8k"]))
-    assert len(problems) == 1 and "pip install 'grpo-cli[skyrl-gym]'" in problems[0], problems
+    assert len(problems) == 1 and "pip install -e '.[skyrl-gym]' in grpo-cli's folder" in problems[0], (
+        problems
+    )
 
 
 @pytest.mark.slow  # an end-to-end run (in this process)

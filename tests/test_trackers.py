@@ -238,7 +238,7 @@ def test_missing_package_names_the_extra(name: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(trackers, "find_spec", lambda module: looked_up.append(module))
     problem = trackers.missing_package(name)
     assert looked_up == [name]
-    assert problem is not None and f"pip install 'grpo-cli[{name}]'" in problem
+    assert problem is not None and f"pip install -e '.[{name}]' in grpo-cli's folder" in problem
     assert "trainer.report_to" in problem
 
 
@@ -250,7 +250,7 @@ def test_missing_package_is_none_when_installed():
 @pytest.mark.parametrize("cls, name", [(trackers.Wandb, "wandb"), (trackers.Trackio, "trackio")])
 def test_tracker_without_its_package_is_a_user_error(cls, name, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
-    with pytest.raises(UserError, match=rf"pip install 'grpo-cli\[{name}\]'"):
+    with pytest.raises(UserError, match=rf"pip install -e '\.\[{name}\]' in grpo-cli's folder"):
         cls(tmp_path, run_name="unit", config={})
 
 

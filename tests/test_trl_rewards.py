@@ -104,7 +104,9 @@ def test_worker_processes_call_a_trl_reward_by_keyword():
 
 
 def test_trl_own_reward_functions_run_unchanged():
-    pytest.importorskip("trl.rewards", reason="TRL is not installed (pip install 'grpo-cli[trl]')")
+    pytest.importorskip(
+        "trl.rewards", reason="TRL is not installed (pip install -e '.[trl]' in grpo-cli's folder)"
+    )
     texts = ("<think>\nhm\n</think>\nThe answer is \\boxed{4}", "\\boxed{4}")
     chat = [[{"role": "assistant", "content": c}] for c in texts]
     _, per = _score(

@@ -262,6 +262,14 @@ def memory_estimate(
             (None if gib is None else int(gib * 2**30)),
             "GPU memory" if cuda else "system RAM",
         )
+    share = 0
+    if available is not None:  # sampler=vllm: its engine's share is not training's
+        share = memory.sampler_share(
+            cfg.sampler, shape, settings["device_type"], available, settings["precision"]
+        )
+        if share:
+            available -= share
+            source += f", less {share / 2**30:.2f} GiB for vLLM's engine"
     if available is None:
         recommended = {"method": "unknown", "reason": "the device's memory is unknown; pass --memory-gib X."}
     else:
@@ -281,6 +289,7 @@ def memory_estimate(
         "model_type": shape.model_type,
         "available_bytes": available,
         "available_source": source,
+        "sampler_share_bytes": share,
         "settings": {**settings, "prompts_per_step": sampling, "lora_r": lora_r},
         "params": {
             "total": shape.total_params,

@@ -106,7 +106,7 @@ def _train(cfg: DictConfig) -> None:
     if hydra_cfg.mode == RunMode.MULTIRUN:
         # One job of a sweep: its failure is recorded and the next job runs (grpo_cli/cli/sweep.py).
         _SWEEP.run_job(
-            lambda: _run(cfg, run_dir, overrides, in_sweep=True),
+            lambda: run_one(cfg, run_dir, overrides, in_sweep=True),
             sweep_dir=Path(hydra_cfg.sweep.dir),
             run_dir=run_dir,
             overrides=overrides,
@@ -114,7 +114,7 @@ def _train(cfg: DictConfig) -> None:
         )
         return
     try:
-        _run(cfg, run_dir, overrides, in_sweep=False)
+        run_one(cfg, run_dir, overrides, in_sweep=False)
     except RunFailed as exc:
         report_and_exit(exc.title, exc.problems, code=exc.code)
     except QuietExit as exc:  # another rank reports it
@@ -153,9 +153,11 @@ def train_config(cfg: DictConfig, run_dir: Path, on_start=None, d: distributed.D
     return train(typed, parts, run_dir, OmegaConf.to_yaml(cfg, resolve=True), on_start=on_start)
 
 
-def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool) -> None:
-    """Validate, build and train; a failure worded for the user is raised as RunFailed. A single
-    run that fails on bad input leaves no files; a sweep job keeps its folder for its status.
+def run_one(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool = False) -> dict:
+    """Validate, build and train; the last metrics row (rank 0's; {} when a resumed run had
+    already ended, or in the launcher of several processes). A failure worded for the user is
+    raised as RunFailed. A single run that fails on bad input leaves no files; a sweep job keeps
+    its folder for its status. grpo-train and grpo_cli.train (api.py) run here.
     trainer.num_processes > 1: start that many workers (this same command) and wait for them;
     a worker (started by torchrun or by that launcher) joins the others first."""
     d = distributed.from_env()
@@ -181,13 +183,14 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool
         raise RunFailed("grpo-train: invalid configuration", problems)
     if cfg.trainer.num_processes > 1 and not d.enabled:
         _launch(cfg, run_dir, overrides, in_sweep=in_sweep)
-        return
+        return {}
     together = False  # every rank ends here alike: finished, or stopped by a signal at the same step
     try:
         if d.enabled:
             run_dir = _join(cfg, d, run_dir)
-        _run_here(cfg, run_dir, overrides, in_sweep=in_sweep, d=d)
+        row = _run_here(cfg, run_dir, overrides, in_sweep=in_sweep, d=d)
         together = True
+        return row
     except SystemExit as exc:
         together = exc.code in (130, 143)
         raise
@@ -228,8 +231,9 @@ def _join(cfg: DictConfig, d: distributed.Dist, run_dir: Path) -> Path:
     return chosen
 
 
-def _run_here(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool, d) -> None:
-    """Build and train in this process (one of several when d.enabled; rank 0 writes the files)."""
+def _run_here(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: bool, d) -> dict:
+    """Build and train in this process (one of several when d.enabled; rank 0 writes the files);
+    the last metrics row."""
     started = False
     try:
         # The run record is written once everything is built, right before the first step.
@@ -240,7 +244,7 @@ def _run_here(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep:
                 save_run_record(cfg, run_dir, overrides)
             _training_started = started = True
 
-        train_config(cfg, run_dir, on_start=on_start, d=d)
+        return train_config(cfg, run_dir, on_start=on_start, d=d)
     except UserError as exc:
         if not in_sweep and d.is_main:
             _discard_if_nothing_trained(run_dir)

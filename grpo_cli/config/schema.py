@@ -283,8 +283,8 @@ class TrainerConfig:
     # optionally tensorboard (<run folder>/tensorboard), wandb (Weights & Biases, project
     # $WANDB_PROJECT or grpo-cli; it needs `wandb login` / WANDB_API_KEY, or WANDB_MODE=offline to
     # log locally) and trackio (Hugging Face's local tracker: `trackio show` opens its dashboard).
-    # Each of the three is an extra: pip install 'grpo-cli[tensorboard]' / 'grpo-cli[wandb]' /
-    # 'grpo-cli[trackio]'. Validation checks the package (and W&B's credentials) before the run.
+    # Each of the three is an extra: pip install -e '.[tensorboard]' in grpo-cli's folder / '.[wandb]' /
+    # '.[trackio]'. Validation checks the package (and W&B's credentials) before the run.
     report_to: List[str] = field(default_factory=lambda: ["jsonl"])
     # Data-parallel processes on this machine (grpo_cli/distributed.py): 1 runs in this process;
     # N > 1 starts N workers through torchrun's launcher (one GPU each, or gloo on the CPU).

@@ -21,11 +21,17 @@ def table_rows(d, seed: int, source: str) -> tuple[list[dict], list[dict]]:
     # of TRL's style may own the task, and rows without a prompt are then fine.)
     if d.eval_split:
         eval_rows = load_table(d.path, d.subset, d.eval_split, source)
-        return _fill_columns(rows), _fill_columns(eval_rows)
+        return fill_columns(rows), fill_columns(eval_rows)
+    return held_out(rows, d.eval_size, seed)
+
+
+def held_out(rows: list[dict], eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows): `eval_size` rows drawn by `seed` held out, never more than
+    a fifth of them (so a small table keeps most rows to train on); every row given every column."""
     shuffled = rows[:]
     random.Random(seed).shuffle(shuffled)
-    n_eval = min(d.eval_size, len(shuffled) // 5)  # never more than a fifth of the data
-    shuffled = _fill_columns(shuffled)
+    n_eval = min(eval_size, len(shuffled) // 5)
+    shuffled = fill_columns(shuffled)
     return shuffled[n_eval:], shuffled[:n_eval]
 
 
@@ -122,7 +128,7 @@ def _read_json_lines(file: Path) -> list[dict]:
     return rows
 
 
-def _fill_columns(rows: list[dict]) -> list[dict]:
+def fill_columns(rows: list[dict]) -> list[dict]:
     """Rows with optional fields (JSON Lines): every row gets every column, None where absent,
     so a batch's columns line up with its completions."""
     names: dict[str, None] = {}

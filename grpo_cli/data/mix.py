@@ -24,7 +24,7 @@ from typing import Any, List, Optional  # (List/Optional: OmegaConf-friendly opt
 
 from grpo_cli import plugins
 from grpo_cli.data import Facts
-from grpo_cli.data._tables import _fill_columns, load_table
+from grpo_cli.data._tables import fill_columns, load_table
 from grpo_cli.errors import UserError
 from grpo_cli.plugins import Plugin
 
@@ -149,7 +149,7 @@ def rows(d, seed: int, options: Options) -> tuple[list[dict], list[dict]]:
         part = live[k][1]
         train.append(part[cursor[k] % len(part)])
         cursor[k] += 1
-    return _fill_columns(train), _fill_columns(held)
+    return fill_columns(train), fill_columns(held)
 
 
 PLUGIN = Plugin(name="mix", build=rows, options=Options, check=check, facts=Facts())

@@ -14,7 +14,7 @@ give the same rows and the prompt stream's (epoch, position) resumes exactly. Ea
 The held-out rows (data.eval_size) come from a second draw with their own seed, and a row whose
 question is a training row's is skipped, so held-out rows never appear in training.
 
-reasoning-gym is an optional extra (pip install 'grpo-cli[reasoning-gym]'): it is imported only
+reasoning-gym is an optional extra (pip install -e '.[reasoning-gym]' in grpo-cli's folder): it is imported only
 when this source is used.
 """
 
@@ -40,7 +40,8 @@ DEFAULT_TASKS = ("chain_sum", "leg_counting", "letter_counting", "spell_backward
 #: The held-out seed's distance from the training seed when eval_seed is None.
 EVAL_SEED_OFFSET = 1_000_000_007
 MISSING_PACKAGE = (
-    "data.source=reasoning_gym needs the reasoning-gym package: pip install 'grpo-cli[reasoning-gym]'"
+    "data.source=reasoning_gym needs the reasoning-gym package: pip install -e '.[reasoning-gym]' in "
+    "grpo-cli's folder"
 )
 _TASK_KEYS = ("name", "weight", "config")
 # A task's generator options that this source sets itself, and the option that sets them.

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from grpo_cli.environments import ACTION_NOT_CUT, Reply, load_object
 from grpo_cli.errors import UserError
 
-INSTALL = "pip install 'grpo-cli[skyrl-gym]'"
+INSTALL = "pip install -e '.[skyrl-gym]' in grpo-cli's folder"
 #: The column whose value is the reward spec's ground truth, where a row carries no reward_spec.
 ANSWER_COLUMN = "answer"
 

@@ -21,7 +21,7 @@ asks of it:
     facts: Facts                      the package it needs (looked up, never imported, by
                                       validation) and whether it logs sample tables
 
-The packages are optional extras (pip install 'grpo-cli[wandb]', ...), imported only when a
+The packages are optional extras (pip install -e '.[wandb]' in grpo-cli's folder, ...), imported only when a
 tracker is built: a bad command line is answered before anything heavy loads.
 """
 
@@ -106,7 +106,7 @@ class Trackers:
 def _install_hint(name: str, report_to: list[str] | None = None) -> str:
     kept = [n for n in dict.fromkeys([JSONL, *(report_to or [])]) if n != name]
     return (
-        f"install it with: pip install 'grpo-cli[{name}]'{plugin(name).facts.install_note}, "
+        f"install it with: pip install -e '.[{name}]' in grpo-cli's folder{plugin(name).facts.install_note}, "
         f"or drop it from trainer.report_to (e.g. trainer.report_to=[{','.join(kept)}])."
     )
 

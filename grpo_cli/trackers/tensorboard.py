@@ -21,7 +21,7 @@ class TensorBoard:
         except ImportError as exc:
             raise UserError(
                 f"trainer.report_to includes tensorboard, but it cannot be imported ({first_line(exc)}); "
-                "install it with: pip install 'grpo-cli[tensorboard]', or drop it: "
+                "install it with: pip install -e '.[tensorboard]' in grpo-cli's folder, or drop it: "
                 "trainer.report_to=[jsonl]."
             ) from exc
         try:
