@@ -182,4 +182,29 @@ def test_the_math_accuracy_refuses_text_answers_before_the_run(answers, refused)
 
 
 def test_task_defaults_validate(compose):
+    pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed (the oldest leg)")
     assert validate(compose(["data=reasoning_gym"])) == []
+
+
+def test_the_readmes_own_reward_command_runs_from_the_users_folder(tmp_path):
+    """README "Your own task": `grpo-train data=jsonl data.path=my_data.jsonl 'reward=[]'
+    +reward.mine.fn=my_rewards:mine`, run as a user runs it, from the folder that holds
+    my_rewards.py (no PYTHONPATH): the user's reward alone scores, at the file's 256 tokens."""
+    import json
+
+    from conftest import grpo
+
+    rows = [{"prompt": f"What is {a} plus 1?", "answer": str(a + 1)} for a in range(12)]
+    (tmp_path / "my_data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "my_rewards.py").write_text(
+        "def mine(completions, answer, **kwargs):\n    return [float(len(c) % 3) for c in completions]\n"
+    )
+    command = ["data=jsonl", "data.path=my_data.jsonl", "reward=[]", "+reward.mine.fn=my_rewards:mine"]
+    small = ["model=tiny", "trainer.max_steps=1", "trainer.prompts_per_step=2", "sampler.num_generations=2"]
+    quiet = ["trainer.eval_before=false", "data.eval_size=0", "trainer.quiet=true", "hydra.run.dir=run"]
+    done = grpo([*command, *small, *quiet], tmp_path, env={"PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert list(saved.reward) == ["mine"] and saved.sampler.max_new_tokens == 256
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "rewards/mine/mean" in metrics[-1]
