@@ -10,7 +10,8 @@ journeys (default: all three):
                  PYTHONPATH), beside the task's accuracy: grpo-train data=jsonl data.path=qa.jsonl
                  +reward.exact.fn=my_rewards:exact (the task's defaults: 256 tokens, [accuracy])
   reasoning_gym  docs/reasoning-gym.md's first command: grpo-train experiment=reasoning_gym
-  python         docs/python-api.md: grpo_cli.train(...) with a callable reward and rows in memory
+  python         docs/python-api.md: grpo_cli.train(...) with a callable reward beside accuracy (the
+                 correctness reward that held-out accuracy reads) and rows in memory
 
 Each run evaluates greedily before and after (eval_before, 200 held-out prompts where the data has
 them). --steps overrides trainer.max_steps for the jsonl and python journeys (default 32, half
@@ -82,6 +83,7 @@ def jsonl(steps: int) -> dict:
         (folder / "my_rewards.py").write_text(MY_REWARDS.lstrip())
         overrides = ["data=jsonl", "data.path=qa.jsonl", "+reward.exact.fn=my_rewards:exact"]
         harness.train([*overrides, f"trainer.max_steps={steps}", "data.eval_size=100"], run_dir, cwd=folder)
+    # (steps: as run, read back from the metrics)
     return {
         "command": "grpo-train data=jsonl data.path=qa.jsonl +reward.exact.fn=my_rewards:exact",
         **_before_after(run_dir),
@@ -104,7 +106,7 @@ def exact(completions, answer, **kwargs):
 
 rows = json.loads(open(sys.argv[1]).read())
 result = grpo_cli.train(
-    ["trainer.max_steps=%d" % int(sys.argv[3]), "sampler.max_new_tokens=32"],
+    ["reward=[accuracy]", "trainer.max_steps=%d" % int(sys.argv[3]), "sampler.max_new_tokens=32"],
     rewards={"exact": exact},
     train_rows=rows[100:],
     eval_rows=rows[:100],
@@ -123,7 +125,7 @@ def python(steps: int) -> dict:
         (folder / "child.py").write_text(textwrap.dedent(CHILD))
         harness.run([sys.executable, "child.py", "rows.json", str(run_dir), str(steps)], cwd=folder)
     return {
-        "command": "grpo_cli.train(..., rewards={'exact': exact}, train_rows=..., eval_rows=...)",
+        "command": "grpo_cli.train(['reward=[accuracy]', ...], rewards={'exact': exact}, train_rows=..., eval_rows=...)",
         **_before_after(run_dir),
     }
 
@@ -145,7 +147,10 @@ def main() -> None:
         print(
             f"{name:14s} {row['steps']:>3} steps  held-out {row['before']:.3f} -> {row['after']:.3f}  {row['per_group']}"
         )
-    print(f"wrote {harness.write_result('first_day', rows, path=RESULT)}")
+    # (the journeys not run now keep their rows from an earlier invocation)
+    kept = json.loads(RESULT.read_text())["rows"] if RESULT.exists() else []
+    kept = [r for r in kept if r["journey"] not in args.journeys]
+    print(f"wrote {harness.write_result('first_day', kept + rows, path=RESULT)}")
 
 
 if __name__ == "__main__":
