@@ -38,7 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.errors import UserError
+from grpo_cli.errors import TrainingDiverged, UserError
 
 #: the callables of the running call, by reward name (reward.<name>.fn walks to them)
 given_rewards = types.SimpleNamespace()
@@ -69,22 +69,30 @@ def train(
     of your own config groups (grpo-train --config-dir)."""
     from grpo_cli.cli.common import compose_config
     from grpo_cli.cli.sweep import RunFailed
-    from grpo_cli.cli.train import run_one
+    from grpo_cli.cli.train import note_preexisting, run_one
     from grpo_cli.config import RUN_ID
     from grpo_cli.data import rows as given_rows
 
     overrides = [str(o) for o in overrides]
-    given = _reward_overrides(rewards or {}, overrides)
-    if train_rows is not None:
-        given.append("data=rows")
-    elif eval_rows is not None:
-        raise UserError("eval_rows was given without train_rows; give both, or train_rows alone.")
-    overrides = given + overrides  # (the caller's overrides win over what the call added)
     folder = Path(run_dir) if run_dir is not None else _default_run_dir(RUN_ID)
-    given_rows.given.train = _rows(train_rows, "train_rows") if train_rows is not None else None
-    given_rows.given.eval = _rows(eval_rows, "eval_rows") if eval_rows is not None else None
-    try:
+    note_preexisting([f"hydra.run.dir={folder}"])  # (a failed run removes only folders it made)
+    try:  # (what the call registers is cleared however it ends)
+        given = _reward_overrides(rewards or {}, overrides)
+        if train_rows is not None:
+            given.append("data=rows")
+        elif eval_rows is not None:
+            raise UserError("eval_rows was given without train_rows; give both, or train_rows alone.")
+        overrides = given + overrides  # (the caller's overrides win over what the call added)
+        given_rows.given.train = _rows(train_rows, "train_rows") if train_rows is not None else None
+        given_rows.given.eval = _rows(eval_rows, "eval_rows") if eval_rows is not None else None
         cfg = compose_config(overrides, config_dir=str(config_dir) if config_dir else None)
+        pooled = [n for n in (rewards or {}) if cfg.reward[n].get("workers")]
+        if pooled:  # a worker process imports grpo_cli.api afresh: the callable is not there
+            raise UserError(
+                f"reward.{pooled[0]}.workers={cfg.reward[pooled[0]].workers}: a reward given as a callable runs in "
+                "this process; drop the workers, or put the function in a module and name it by import path "
+                f"(+reward.{pooled[0]}.fn=my_module:my_function), which worker processes can import."
+            )
         if cfg.trainer.num_processes != 1:
             raise UserError(
                 f"trainer.num_processes={cfg.trainer.num_processes}: grpo_cli.train runs in this one "
@@ -93,7 +101,9 @@ def train(
         try:
             metrics = run_one(cfg, folder, overrides)
         except RunFailed as exc:  # the error as raised (UserError, TrainingDiverged), not printed
-            raise (exc.__cause__ or UserError(" ".join(exc.problems))) from None
+            if isinstance(exc.__cause__, (UserError, TrainingDiverged)):
+                raise exc.__cause__ from None
+            raise UserError(" ".join(exc.problems)) from exc.__cause__  # (out of memory: the advice)
     finally:
         given_rows.given.train = given_rows.given.eval = None
         for name in list(vars(given_rewards)):

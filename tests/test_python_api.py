@@ -87,14 +87,27 @@ def test_a_run_from_python_resumes_as_the_command_line(api_run):
         ({"eval_rows": HELD_OUT}, "without train_rows"),
         ({"train_rows": ROWS, "overrides": ["loss.beta=-1", "sampler.num_generations=1"]}, "loss.beta"),
         ({"train_rows": ROWS, "overrides": ["trainer.num_processes=2"]}, "one\nprocess"),
+        (
+            {"rewards": {"mine": brevity}, "overrides": ["model=tiny", "+reward.mine.workers=2"]},
+            "runs in this process",
+        ),
     ],
 )
 def test_bad_input_is_one_user_error_before_any_model_loads(tmp_path, kwargs, message):
+    from grpo_cli.api import given_rewards
+    from grpo_cli.data.rows import given
+
     overrides = kwargs.pop("overrides", ["model=tiny"])
     with pytest.raises(UserError) as err:
         grpo_cli.train(overrides, run_dir=tmp_path / "run", **kwargs)
     assert message.replace("\n", " ") in str(err.value)
     assert not (tmp_path / "run").exists()
+    assert not vars(given_rewards) and given.train is None and given.eval is None  # nothing left behind
+    mine = tmp_path / "mine"  # a folder of the caller's, empty, is not removed with the failed run
+    mine.mkdir()
+    with pytest.raises(UserError):
+        grpo_cli.train(overrides, run_dir=mine, **kwargs)
+    assert mine.is_dir()
 
 
 def test_rows_source_needs_rows_on_the_command_line(compose):

@@ -208,3 +208,37 @@ def test_the_readmes_own_reward_command_runs_from_the_users_folder(tmp_path):
     assert list(saved.reward) == ["mine"] and saved.sampler.max_new_tokens == 256
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "rewards/mine/mean" in metrics[-1]
+
+
+@pytest.mark.parametrize(
+    "overrides, chose",
+    [
+        (["reward=[accuracy]"], True),
+        (["reward.accuracy.strict=false"], True),
+        (["+reward.format.max_chars=40"], True),
+        (["~reward.format"], True),
+        (["experiment=gsm8k"], True),
+        (["+reward.accuracy_text.fn=m:f"], False),  # a reward of the user's, not accuracy's key
+        (["+reward.formatting.fn=m:f"], False),
+        (["experiment=null"], False),
+        (["~experiment"], False),
+        (["loss.beta=0.04"], False),
+    ],
+)
+def test_what_counts_as_choosing_the_rewards(overrides, chose):
+    assert task.user_chose_rewards(overrides) is chose
+
+
+def test_a_kept_task_reward_keeps_its_node(compose):
+    """The swap rebuilds only the rewards the config lacks: accuracy's settings, from whatever set
+    them (a config file of the user's), stay when the file's task keeps [accuracy]."""
+    cfg = compose([])  # the arithmetic default: [accuracy, format], nothing swapped
+    cfg.data.source, cfg.data.path = "file", "x.jsonl"
+    cfg.reward.accuracy.answer_column = "gold"
+    assert task.apply(cfg, []) and list(cfg.reward) == ["accuracy"]
+    assert cfg.reward.accuracy.answer_column == "gold"
+
+
+def test_a_task_that_declares_an_unknown_reward_is_one_paragraph():
+    with pytest.raises(UserError, match="not a built-in reward"):
+        task.reward_node("no_such_reward")

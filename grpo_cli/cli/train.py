@@ -86,7 +86,7 @@ def _remove_if_empty(run_dir: Path) -> None:
         path = path.parent
 
 
-def _note_preexisting(args: list[str]) -> None:
+def note_preexisting(args: list[str]) -> None:
     """The folders on the way to an explicit hydra.run.dir that exist before Hydra creates the
     rest: those are the user's and are never removed."""
     for arg in args:
@@ -162,7 +162,11 @@ def run_one(cfg: DictConfig, run_dir: Path, overrides: list[str], *, in_sweep: b
     a worker (started by torchrun or by that launcher) joins the others first."""
     d = distributed.from_env()
     # An old key's name, read as the new one; the task's rewards where the user chose none.
-    for note in apply_renames(cfg) + task.apply(cfg, overrides):
+    try:
+        notes = apply_renames(cfg) + task.apply(cfg, overrides)
+    except UserError as exc:  # (a task that declares a reward no one has)
+        raise RunFailed("grpo-train: invalid configuration", [str(exc)]) from exc
+    for note in notes:
         if d.is_main:
             print(f"grpo-train: note: {note}", file=sys.stderr, flush=True)
     # A sweep job's workers (trainer.num_processes) run as plain runs: the launcher marks them.
@@ -392,22 +396,27 @@ def _print_job_configs(args: list[str]) -> bool:
         elif arg in ("--config-dir", "-cd") and i + 1 < len(args):
             config_dir, i = args[i + 1], i + 2
             continue
+        elif arg.startswith(("--config-dir=", "-cd=")):
+            config_dir = arg.split("=", 1)[1]
         elif arg not in ("-m", "--multirun", "--resolve"):
             rest.append(arg)
         i += 1
     if wanted is None:
         return False
-    if wanted != "job" or any(a.startswith("-") for a in rest):
+    flags = [a for a in rest if a.startswith("-")]
+    if wanted != "job" or flags:
         if "-m" in args or "--multirun" in args:
+            why = (
+                f"--cfg {wanted} prints one config and cannot be combined with -m"
+                if wanted != "job"
+                else f"grpo-train --cfg job -m prints each job's config, but not with {' '.join(flags)}"
+            )
             report_and_exit(
                 "grpo-train",
-                [
-                    f"--cfg {wanted} prints one config and cannot be combined with -m; drop -m to see it, "
-                    "or use `grpo-train --cfg job -m ...`, which prints every job's config."
-                ],
+                [f"{why}; drop -m to see one job's config (Hydra prints it)."],
                 code=EXIT_USER_ERROR,
             )
-        return False  # (Hydra's own printer: --cfg hydra / all, --package)
+        return False  # (Hydra's own printer: --cfg hydra / all, --package, --config-name)
     try:
         parsed = OverridesParser.create().parse_overrides(rest)
         jobs = [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
@@ -431,7 +440,7 @@ def main() -> None:
             signal.signal(sig, _interrupt)
         except ValueError:  # not the main thread
             pass
-    _note_preexisting(sys.argv[1:])
+    note_preexisting(sys.argv[1:])
     if _print_job_configs(sys.argv[1:]):
         return
     _STDERR.start()

@@ -82,8 +82,13 @@ def user_chose_rewards(overrides: list[str]) -> bool:
     default rewards (`reward.accuracy.strict=false` keeps them), or an experiment (it chooses its
     own)."""
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0].split("@", 1)[0].strip()
-        if key in ("reward", "experiment") or any(key.startswith(f"reward.{n}") for n in DEMO_REWARDS):
+        key, _, value = override.lstrip("+~").partition("=")
+        key = key.split("@", 1)[0].strip()
+        if key == "experiment" and value.strip() not in ("", "null"):  # (~experiment, =null: none)
+            return True
+        if key == "reward" or any(
+            key == f"reward.{n}" or key.startswith(f"reward.{n}.") for n in DEMO_REWARDS
+        ):
             return True
     return False
 
@@ -105,8 +110,8 @@ def apply(cfg: DictConfig, overrides: list[str]) -> list[str]:
     if facts.rewards == DEMO_REWARDS:
         return []
     others = {n: cfg.reward[n] for n in names if n not in DEMO_REWARDS}
-    with open_dict(cfg):
-        cfg.reward = {**{n: reward_node(n) for n in facts.rewards}, **others}
+    with open_dict(cfg):  # (a reward the config already holds keeps its node, set in a file or not)
+        cfg.reward = {**{n: cfg.reward[n] if n in names else reward_node(n) for n in facts.rewards}, **others}
     return [
         f"{facts.declared_by} scores with reward=[{','.join(facts.rewards)}] (its task's; not the "
         f"arithmetic demo's [{','.join(DEMO_REWARDS)}]); choose others with reward=[...]."
@@ -119,8 +124,14 @@ def reward_node(name: str) -> DictConfig:
     from importlib.resources import files
 
     from grpo_cli.config import reward_node as typed_node
+    from grpo_cli.errors import UserError
     from grpo_cli.rewards import REGISTRY
 
+    if name not in REGISTRY:
+        raise UserError(
+            f"the task declares the reward {name!r} (its plug-in's Facts.rewards), which is not a built-in "
+            f"reward ({', '.join(REGISTRY)}); declare built-in names there, or choose the rewards with reward=[...]."
+        )
     declared = REGISTRY[name]
     node = (
         OmegaConf.structured(typed_node(name, declared.options)) if declared.options else OmegaConf.create()
