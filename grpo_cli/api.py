@@ -85,7 +85,8 @@ def train(
         overrides = given + overrides  # (the caller's overrides win over what the call added)
         given_rows.given.train = _rows(train_rows, "train_rows") if train_rows is not None else None
         given_rows.given.eval = _rows(eval_rows, "eval_rows") if eval_rows is not None else None
-        cfg = compose_config(overrides, config_dir=str(config_dir) if config_dir else None)
+        # (validated once, by run_one, which grpo-train runs too)
+        cfg = compose_config(overrides, config_dir=str(config_dir) if config_dir else None, check=False)
         pooled = [n for n in (rewards or {}) if cfg.reward[n].get("workers")]
         if pooled:  # a worker process imports grpo_cli.api afresh: the callable is not there
             raise UserError(
