@@ -125,6 +125,39 @@ def disabled_adapters(model):
     return model.disable_adapter() if is_adapted(model) else contextlib.nullcontext()
 
 
+#: The name of the frozen second adapter that holds the warmed policy (the warm-up's sft-end) as
+#: the KL reference under LoRA (sft.reference=warmed): loaded beside the trained one, never merged
+#: (merging would rule out QLoRA and change the base weights the sampler holds).
+REFERENCE_ADAPTER = "reference"
+
+
+def load_reference_adapter(model, path) -> None:
+    """The adapter saved at `path` (a LoRA checkpoint: sft-end) as `model`'s frozen second
+    adapter, which the reference pass activates (reference_weights); the trained one stays active."""
+    model.load_adapter(str(path), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+
+
+def reference_weights(model):
+    """A context in which `model` computes as the KL reference: with its warmed adapter active
+    where one is loaded (load_reference_adapter), else its base model (disabled_adapters; a
+    model without adapters is a frozen copy already: a no-op)."""
+    if is_adapted(model) and REFERENCE_ADAPTER in model.peft_config:
+        return _active_adapter(model, REFERENCE_ADAPTER)
+    return disabled_adapters(model)
+
+
+@contextlib.contextmanager
+def _active_adapter(model, name: str):
+    """`name` active inside, the trained adapter active again after (PEFT's set_adapter marks the
+    active adapter's weights trainable and the others' frozen, so the trained one is trainable again)."""
+    previous = model.active_adapter
+    model.set_adapter(name)
+    try:
+        yield
+    finally:
+        model.set_adapter(previous)
+
+
 def linear_layer_names(model) -> list[str]:
     """The distinct names (last dotted part) of the layers LoRA can adapt: nn.Linear and GPT-2's
     Conv1D, bar the output head (the layer tied to or producing the vocabulary logits)."""

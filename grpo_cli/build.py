@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli.adapters import add_lora, check_quantization, is_adapted, load_lora, trainable_summary
+from grpo_cli.adapters import (
+    add_lora,
+    check_quantization,
+    is_adapted,
+    load_lora,
+    load_reference_adapter,
+    trainable_summary,
+)
 from grpo_cli.config import Config, DataConfig
 from grpo_cli.data import (
     Example,
@@ -57,6 +64,7 @@ from grpo_cli.rewards import Rewards, build_rewards, check_reward_columns
 from grpo_cli.roles import Learner, Rollouts
 from grpo_cli.samplers import Context as SamplerContext
 from grpo_cli.samplers import build_sampler
+from grpo_cli.sft import read_demonstrations
 from grpo_cli.teacher import teacher_source
 
 
@@ -186,6 +194,13 @@ class Parts:
     state: ckpt.TrainerState  # where the run starts (step 0, or the resumed checkpoint's)
     resumed_from: Path | None
     dist: Dist  # this process's place among the ranks
+    # What the stages before the first GRPO step read (stages.py): the checkpoint resumed (its
+    # loaded optimizer state: a warm-up's), where the models run, every training prompt (the
+    # band chooses among them), and the warm-up's demonstrations (None: no warm-up to run).
+    resume: Resume = Resume(None, None, [])
+    placement: Placement | None = None
+    train_examples: list[Example] = dataclasses.field(default_factory=list)
+    demonstrations: Any = None
 
 
 @dataclass(frozen=True)
@@ -239,7 +254,7 @@ def _grad_scaler(precision: Precision, device, state):
     return scaler
 
 
-def _optimizer_step(cfg: Config, policy, masters, scaler, total_steps: int, d):
+def optimizer_step(cfg: Config, policy, masters, scaler, total_steps: int, d):
     """AdamW over the trainable weights (bf16: their fp32 masters) and its schedule, with the grad
     scaler (fp16; else None: _grad_scaler), as one optim.OptimizerStep."""
     optimizer, scheduler = build_optimizer(
@@ -296,15 +311,30 @@ def load_frozen(
     return model
 
 
-def _reference(cfg: Config, policy, source: ModelSource, at: Placement, fsdp: bool):
+def _reference(cfg: Config, policy, source: ModelSource, at: Placement, fsdp: bool, warmed: Path | None):
     """The reference model, which exists only when the KL term does (beta > 0): frozen, eval, no
-    grad. With adapters it is the policy itself, run with its adapters disabled (engine:
-    disabled_adapters); otherwise a second copy of the base model, in the policy's dtype."""
+    grad. With adapters it is the policy itself, run with its adapters disabled (or, after a
+    warm-up, its warmed adapter active: adapters.reference_weights); otherwise a second copy of the
+    base model, in the policy's dtype. `warmed`: the warm-up's sft-end, where the reference is the
+    warmed policy (sft.reference=warmed) and the warm-up has run; None where it has yet to run
+    (None for now: stages.py loads it when the warm-up ends) or there is none."""
     if cfg.loss.beta <= 0:
         return None
+    pending = cfg.sft.name != "none" and cfg.sft.reference == "warmed"
     if is_adapted(policy):
+        if pending and warmed is not None:
+            load_reference_adapter(policy, warmed)
         return policy
+    if pending:
+        return None if warmed is None else warmed_reference(cfg, warmed, at, fsdp)
     return load_frozen(source, at, fsdp, **_model_kw(cfg))
+
+
+def warmed_reference(cfg: Config, warmed: Path, at: Placement, fsdp: bool):
+    """The warmed policy (the warm-up's checkpoint sft-end) as a frozen copy: full fine-tuning's
+    KL reference under sft.reference=warmed."""
+    source = ModelSource(str(warmed), None, f"the warmed policy ({warmed})")
+    return load_frozen(source, at, fsdp, key="sft.reference", **_model_kw(cfg))
 
 
 def _teacher(cfg: Config, source: ModelSource | None, at: Placement, fsdp: bool):
@@ -437,20 +467,27 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     none_ok = bool(cfg.loss.teacher_kl)  # (a teacher alone: distillation)
     front = build_front(cfg, console.print, d, command="grpo-train", none_ok=none_ok, run_dir=run_dir)
     console.print(_data_summary(cfg, front.data, front.wide_eval))
-    if (length := run_length(cfg, front.resume, len(front.data.train), d)) is None:
+    saved = front.resume.loaded[0] if front.resume.loaded else ckpt.TrainerState()
+    train = front.data.train if saved.band is None else [front.data.train[i] for i in saved.band]
+    if (length := run_length(cfg, front.resume, len(train), d)) is None:
         return None
     total_steps, state = length
     at, resume, fsdp = front.at, front.resume, _fsdp(cfg, d)
     precision, device, tokenizer, rewards = at.precision, at.device, front.tokenizer, front.rewards
+    demonstrations = None
+    if cfg.sft.name != "none" and not state.sft_done:  # (read and checked before any model loads)
+        held_out = [ex.prompt_ids for ex in front.data.eval + front.wide_eval]
+        demonstrations = read_demonstrations(cfg, tokenizer, front.data.train, held_out)
 
     policy, masters = _policy(cfg, front, fsdp, console)
-    ref = _reference(cfg, policy, front.source, at, fsdp)
+    warmed = resume.path.parent / ckpt.SFT_END if state.sft_done and resume.path else None
+    ref = _reference(cfg, policy, front.source, at, fsdp, warmed)
     teacher = _teacher(cfg, front.teacher, at, fsdp)
 
-    opt_step = _optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
-    stream = PromptStream(front.data.train, seed=t.seed)
-    if resume.loaded:
-        restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
+    opt_step = optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
+    stream = PromptStream(train, seed=t.seed)
+    if resume.loaded:  # (GRPO's optimizer and stream once GRPO has stepped; a warm-up's: stages.py)
+        restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console, grpo=state.step > 0)
     plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
     if not plan.fast_paths:
         console.print(_untested_note(policy))
@@ -490,4 +527,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         state=state,
         resumed_from=resume.path,
         dist=d,
+        resume=resume,
+        placement=at,
+        train_examples=front.data.train,
+        demonstrations=demonstrations,
     )

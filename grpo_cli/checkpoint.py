@@ -38,6 +38,10 @@ from grpo_cli.errors import UserError, first_line
 from grpo_cli.files import fsync_dir, fsync_tree
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# The warm-up's checkpoints (sft=demonstrations): sft-N inside it, sft-end where it ended (outside
+# trainer.keep_last: the warmed weights, which the KL reference and a resume after it read).
+SFT_DIR = re.compile(r"^sft-(\d+)$")
+SFT_END = "sft-end"
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"
 FORMAT_VERSION = 1
@@ -92,6 +96,12 @@ class TrainerState:
     # adapted, loss.entropy_coef) and the last step's entropy (inf: none measured yet).
     entropy_coef: float | None = None
     last_entropy: float = math.inf
+    # The warm-up (sft): its optimizer steps done, and whether it ended (GRPO runs after it).
+    sft_step: int = 0
+    sft_done: bool = False
+    # The learnable band (data.pass_rate_band): the indices of the training prompts it kept, None
+    # before it ran (or without one).
+    band: list[int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -104,6 +114,10 @@ class TrainerState:
         state.world_size = int(data.get("world_size", 1))
         state.entropy_coef = data.get("entropy_coef")
         state.last_entropy = float(data.get("last_entropy", math.inf))
+        state.sft_step = int(data.get("sft_step", 0))
+        state.sft_done = bool(data.get("sft_done", False))
+        band = data.get("band")
+        state.band = None if band is None else [int(i) for i in band]
         return state
 
     def rng_of(self, rank: int) -> dict[str, Any] | None:
@@ -180,8 +194,10 @@ def save_checkpoint(
     rng_ranks: list[dict[str, Any]] | None = None,
     dist=None,
     state_dict: dict[str, Any] | None = None,
+    name: str | None = None,
 ) -> Path:
-    """Checkpoint `step-<state.step>`: the model, tokenizer, optimizer, scheduler, config and
+    """Checkpoint `name` (default `step-<state.step>`; the warm-up's: sft-N, sft-end): the model,
+    tokenizer, optimizer, scheduler, config and
     `state` with every RNG's current state (rng_ranks: every rank's, gathered; default this
     process's). A model sharded by FSDP2 is saved by every process together (`dist`: this
     process's distributed.Dist); otherwise only rank 0 calls this. `state_dict`: the weights to
@@ -193,8 +209,8 @@ def save_checkpoint(
     rng_ranks = rng_ranks or [rng_state()]
     step = state.step
     root = checkpoints_dir(run_dir)
-    final = root / f"step-{step:06d}"
-    tmp = root / f"{TMP_PREFIX}{step:06d}-{d.broadcast(os.getpid()) if sharded else os.getpid()}"
+    final = root / (name or f"step-{step:06d}")
+    tmp = root / f"{TMP_PREFIX}{final.name}-{d.broadcast(os.getpid()) if sharded else os.getpid()}"
     try:
         if d.is_main:
             root.mkdir(parents=True, exist_ok=True)
@@ -263,8 +279,8 @@ def save_checkpoint(
         if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if d.is_main:
-        _rotate(root, keep_last)
+    if d.is_main and final.name != SFT_END:
+        _rotate(root, keep_last, SFT_DIR if SFT_DIR.match(final.name) else STEP_DIR)
     return final
 
 
@@ -301,8 +317,9 @@ def _disk_hint(root: Path) -> str:
     return ""
 
 
-def _rotate(root: Path, keep_last: int) -> None:
-    steps = list_checkpoints(root.parent)
+def _rotate(root: Path, keep_last: int, kind: re.Pattern) -> None:
+    """Keep the last `keep_last` checkpoints of one kind (step-N, or the warm-up's sft-N)."""
+    steps = [p for p in list_checkpoints(root.parent) if kind.match(p.name)]
     for old in steps[:-keep_last] if keep_last > 0 else []:
         trash = root / f"{TRASH_PREFIX}{old.name}-{os.getpid()}"
         try:
@@ -341,14 +358,24 @@ def missing_files(path: Path) -> list[str]:
     return missing
 
 
+def _position(name: str) -> tuple[int, int] | None:
+    """Where a checkpoint folder lies in a run: the warm-up's sft-N, then sft-end, then GRPO's
+    step-N; None for a folder that is none of them."""
+    if m := STEP_DIR.match(name):
+        return (2, int(m.group(1)))
+    if m := SFT_DIR.match(name):
+        return (0, int(m.group(1)))
+    return (1, 0) if name == SFT_END else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary, half-deleted or incomplete
-    folders are never listed)."""
+    """Complete checkpoints of a run, oldest first: the warm-up's (sft-N, sft-end), then GRPO's
+    step-N (temporary, half-deleted or incomplete folders are never listed)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and not missing_files(p)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    found = [p for p in root.iterdir() if p.is_dir() and _position(p.name) and not missing_files(p)]
+    return sorted(found, key=lambda p: _position(p.name))
 
 
 def find_resume_checkpoint(resume: str, run_dir: Path) -> Path:

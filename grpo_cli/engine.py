@@ -1,6 +1,7 @@
 """The GRPO training loop, one function to read top to bottom (`_train`): each step's phases,
 numbered, call the functions of step.py by name
 
+    0 the stages before GRPO (stages.py: start eval -> warm-up -> band -> eval_before), then per step
     1 sample and score -> 2 advantages -> 3 micro-batches, reference -> 4 update (optimizer step)
     -> 5 sampler sync -> 6 metrics, eval, checkpoint
 
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli import guards
+from grpo_cli import guards, stages
 from grpo_cli import step as phases
 from grpo_cli.build import Parts
 from grpo_cli.config import Config
@@ -81,7 +82,7 @@ def train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start=N
 def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start) -> dict[str, Any]:
     t, d, state = cfg.trainer, parts.dist, parts.state
     rollouts, learner = parts.rollouts, parts.learner
-    start_step, said_no_signal, last_row, before = state.step, False, {}, {}
+    start_step, said_no_signal, last_row = state.step, False, {}
     if on_start is not None:
         on_start()
     if state.rng is not None:  # last, right before the first step: nothing may draw from the RNGs in between
@@ -89,9 +90,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
     run = _Run(cfg, parts, run_dir, config_yaml)
     log, health = run.log, run.health
     with log, _StopFlag(quiet=not d.is_main) as stop:
-        if t.eval_before and parts.eval_examples and not parts.resumed_from:
-            before = run.evaluate()
-            log.log({"step": 0, **before})
+        # 0. The stages before GRPO (stages.py): start eval -> warm-up -> band -> eval_before.
+        points = stages.before_grpo(run, stop)
         for step in range(start_step + 1, parts.total_steps + 1):
             t0 = time.perf_counter()
 
@@ -106,7 +106,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             #    (zero-std ones left out but on the first step, whose self-check compares every row);
             #    the reference's and the teacher's log-probs; num_iterations updates (an optimizer step
             #    each, skipped when the loss or gradient is not finite, or there is no signal).
-            first = t.self_check and not parts.resumed_from and step == start_step + 1
+            first = t.self_check and step == 1  # (GRPO's first step, resumed from the warm-up or not)
             stepped = learner.step(sampled.train, first)
             updated = stepped.updated
             for note in updated.notes:  # (the first step's self-check)
@@ -142,7 +142,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         if health.seen:
             log.warn(health.summary())
         log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
-        _say_before_after(log, before, last_row, parts)
+        sizes = {"eval": len(parts.eval_examples), "eval_wide": len(parts.wide_eval_examples)}
+        stages.say_points(log, points, last_row, sizes)
     return last_row
 
 
@@ -184,6 +185,7 @@ class _Run:
             quiet=t.quiet,
             writer=parts.dist.is_main,  # rank 0 alone writes metrics and prints
             resume_step=start_step,
+            resume_sft_step=parts.state.sft_step if parts.resumed_from and not start_step else None,
             report_to=tuple(t.report_to),
             run_config=asdict(cfg),  # for W&B / Trackio
         )
@@ -248,9 +250,18 @@ class _Run:
             resume_hint=self.resume_hint,
         )
 
-    def save(self, step: int) -> Path | None:
+    @property
+    def fsdp(self) -> bool:
+        return is_sharded(self.parts.learner.policy)
+
+    def dist_any(self, flag: bool) -> bool:
+        return self.parts.dist.any(flag)
+
+    def save(self, step: int, *, name: str | None = None, opt=None) -> Path | None:
+        """Checkpoint step-<step>, or `name` (the warm-up's sft-N, sft-end: with its optimizer
+        step `opt`, default GRPO's)."""
         d, state, policy = self.parts.dist, self.parts.state, self.parts.learner.policy
-        opt = self.parts.learner.opt_step
+        opt = opt or self.parts.learner.opt_step
         bad = self.bad_weights()
         if bad:  # never write weights that would load but are garbage
             self.log.warn(
@@ -274,8 +285,26 @@ class _Run:
                 rng_ranks=rng_ranks,
                 dist=d,
                 state_dict=opt.masters.state_dict(policy) if opt.masters else None,  # the fp32 weights
+                name=name,
             )
         return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
+
+    def diverged_in_warm_up(self, k: int, loss: float, grad_norm: float) -> None:
+        """A warm-up step whose loss or gradient was not finite: stop, naming the fix (no
+        skip-and-continue there: a supervised loss that overflows will again)."""
+        found = ckpt.list_checkpoints(self.run_dir)
+        raise UserError(
+            f"warm-up step {k}: the loss ({loss}) or the gradient (norm {grad_norm}) is not finite, so the update "
+            f"was not applied. Lower sft.learning_rate (it is {self.cfg.sft.learning_rate:g}), or use "
+            "trainer.precision=fp32" + (f"; latest checkpoint: {found[-1]}." if found else ".")
+        )
+
+    def stop_in_warm_up(self, stop: _StopFlag, k: int, path: Path | None) -> None:
+        """After a SIGINT/SIGTERM inside the warm-up: its checkpoint sft-k written, say how to resume."""
+        self.log.warn(
+            f"grpo-train: stopped by {stop.signal_name} after warm-up step {k}; checkpoint {path}.\n{self.resume_hint}"
+        )
+        raise SystemExit(stop.exit_code)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out set, and the wide one (operands outside training's) when there is one,
@@ -285,24 +314,6 @@ class _Run:
             mine = [examples[i] for i in shard(len(examples), d.rank, d.world_size)]
             out |= self.parts.rollouts.evaluate(mine, prefix, groups)
         return out
-
-
-def _say_before_after(log, before: dict, last_row: dict, parts: Parts) -> None:
-    """The run's last lines: held-out accuracy and reward before -> after, per group too."""
-    for key in ("eval/accuracy", "eval/reward", "eval_wide/accuracy"):
-        if key in before and key in last_row:
-            which = "wide held-out" if key.startswith("eval_wide") else "held-out"
-            n = len(parts.wide_eval_examples if key.startswith("eval_wide") else parts.eval_examples)
-            by_group = [
-                f"{k.split('/')[-1]} {before[k]:.2f} -> {last_row[k]:.2f}"
-                for k in sorted(last_row)
-                if k.startswith(key + "/") and k in before
-            ]
-            log.print(
-                f"{which} {key.split('/')[1]} ({n} prompts, greedy): "
-                f"before {before[key]:.3f} -> after {last_row[key]:.3f} "
-                f"({last_row[key] - before[key]:+.3f})" + (f"; {', '.join(by_group)}" if by_group else "")
-            )
 
 
 def _completion_records(

@@ -28,15 +28,19 @@ def grade(
     num_generations: int = 1,
     greedy: bool = True,
     prompts_per_call: int = 32,
+    seeds: list[int] | None = None,
 ) -> Scored | None:
     """Each example's `num_generations` completions (or episodes) drawn by `path` (its sampler's
     settings, or greedy: argmax), `prompts_per_call` prompts to one draw, scored by `rewards` into one record
-    (scored.Scored: rows in example order, prompt_index into `examples`); None without examples."""
+    (scored.Scored: rows in example order, prompt_index into `examples`); None without examples.
+    seeds: each example's sampling seed (sampled draws that must not depend on the chunking or
+    the process count: pass_rates); None: the sampler's own."""
     parts, G = [], num_generations
     with path.sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
-            drawn = path.draw_for_scoring(chunk, num_generations=G, greedy=greedy)
+            chunk_seeds = None if seeds is None else seeds[start : start + prompts_per_call]
+            drawn = path.draw_for_scoring(chunk, seeds=chunk_seeds, num_generations=G, greedy=greedy)
             scored = path.score(drawn, chunk, rewards, tokenizer)
             parts.append(replace(scored, prompt_index=scored.prompt_index + start))
     return concat(parts, tokenizer.pad_token_id) if parts else None

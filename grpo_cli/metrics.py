@@ -73,13 +73,16 @@ class MetricsLogger:
         quiet: bool,
         table_every: int = 10,
         resume_step: int = 0,
+        resume_sft_step: int | None = None,
         report_to: Sequence[str] = ("jsonl",),
         writer: bool = True,
         run_name: str = "",
         run_config: dict | None = None,
     ):
         """writer=False (ranks other than 0 of a multi-process run): nothing is written or printed.
-        run_name, run_config: the run's name and resolved config, for W&B and Trackio."""
+        run_name, run_config: the run's name and resolved config, for W&B and Trackio.
+        resume_sft_step: a run resumed before GRPO's first step (resume_step 0), from the
+        warm-up's checkpoint of that step (sft-N, or sft-end: its last); None: not resumed there."""
         self.path = run_dir / METRICS_FILE
         self.writer = writer
         quiet = quiet or not writer
@@ -90,14 +93,14 @@ class MetricsLogger:
         self.samples_path = run_dir / SAMPLES_FILE
         if writer:  # a resumed run drops the lines past its checkpoint; a new one starts afresh
             for path in (self.path, self.samples_path):
-                _restart(path, resume_step)
+                _restart(path, resume_step, resume_sft_step)
         self._pending: list[dict] = []
         self._showcase: list[dict] = []  # the samples table's rows, printed with the metrics table
         # Trackers (trainer.report_to beyond jsonl) get every row under its metrics.jsonl names.
         start = Start(run_dir, run_name or _run_name(run_dir), run_config or {}, resume_step)
         self.trackers = Trackers(report_to if writer else (), start)
         self.progress = Progress(
-            TextColumn("[bold]training"),
+            TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -108,7 +111,8 @@ class MetricsLogger:
             disable=quiet,
             transient=False,
         )
-        self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, status="")
+        self.task = self.progress.add_task("training", total=total_steps, completed=resume_step, status="")
+        self.phase_task = None  # a stage's own bar before GRPO (the warm-up's)
 
     def __enter__(self):
         self.progress.start()
@@ -119,7 +123,9 @@ class MetricsLogger:
         self.trackers.close()
         return False
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], table: bool = True) -> None:
+        """Append a row (and send it to the trackers); table=False: not in the console's table (a
+        warm-up step's row, which says its own line)."""
         clean = {
             k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" else v)
             for k, v in row.items()
@@ -133,7 +139,8 @@ class MetricsLogger:
             raise write_error(self.path, exc) from exc
         self.trackers.log(clean)
         self.rows.append(clean)
-        self._pending.append(clean)
+        if table:
+            self._pending.append(clean)
         if "reward" in clean:
             status = f"reward {clean['reward']:.3f}  kl {clean.get('kl', float('nan')):.4f}"
             self.progress.update(self.task, completed=clean["step"], status=status)
@@ -156,6 +163,20 @@ class MetricsLogger:
 
     def advance(self, step: int) -> None:
         self.progress.update(self.task, completed=step)
+
+    def set_total(self, total_steps: int) -> None:
+        """The run's length changed before its first step (the learnable band kept fewer prompts)."""
+        self.progress.update(self.task, total=total_steps)
+
+    def phase(self, description: str, total: int, completed: int) -> None:
+        """A bar of its own for a stage before GRPO (the warm-up), `completed` of `total` done."""
+        self.phase_task = self.progress.add_task(description, total=total, completed=completed, status="")
+
+    def advance_phase(self, completed: int, status: str) -> None:
+        self.progress.update(self.phase_task, completed=completed, status=status)
+
+    def end_phase(self) -> None:
+        self.phase_task = None
 
     def flush_table(self) -> None:
         """Print the metrics of the steps logged since the last table, then their samples."""
@@ -192,15 +213,14 @@ def _run_name(run_dir: Path) -> str:
         return str(run_dir.resolve())
 
 
-def _restart(path: Path, resume_step: int) -> None:
-    """Keep the lines of steps up to `resume_step` (a resumed run), or none (a new run)."""
+def _restart(path: Path, resume_step: int, resume_sft_step: int | None = None) -> None:
+    """Keep the lines of steps up to `resume_step` (a resumed run), or none (a new run). A run
+    resumed before GRPO's first step keeps its step-0 lines up to warm-up step resume_sft_step
+    (_position)."""
     try:
-        if resume_step and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and _step_of(line) <= resume_step
-            ]
+        if (resume_step or resume_sft_step is not None) and path.exists():
+            at = (resume_step, resume_sft_step if not resume_step else math.inf)
+            kept = [line for line in path.read_text().splitlines() if line.strip() and _position(line) <= at]
             write_atomic(path, "".join(line + "\n" for line in kept))
         elif path.exists():
             path.unlink()
@@ -208,12 +228,19 @@ def _restart(path: Path, resume_step: int) -> None:
         raise write_error(path, exc) from exc
 
 
-def _step_of(line: str) -> int:
-    """The step of a metrics line; a line cut short by a kill (no newline, bad JSON) is dropped."""
+def _position(line: str) -> tuple[int, float]:
+    """Where a metrics line lies in the run: (its step, and for step 0 where before GRPO: the
+    start's evaluation 0, warm-up step k at k, the band and the evaluation before GRPO after the
+    warm-up); a line cut short by a kill (no newline, bad JSON) lies past everything (dropped)."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return 1 << 62
+        row = json.loads(line)
+        step = int(row.get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return (1 << 62, 0)
+    if step:
+        return (step, 0)
+    phase = row.get("phase")
+    return (0, 0 if phase == "start" else float(row.get("sft/step", 0)) if phase == "sft" else math.inf)
 
 
 # ----------------------------------------------------------------------------- a step's row

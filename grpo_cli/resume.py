@@ -44,25 +44,33 @@ def resume_state(cfg: Config, run_dir: Path, fsdp: bool) -> Resume:
     return Resume(resume_from, ckpt.load_training_state(resume_from), changed)
 
 
-def restore(resume: Resume, policy, opt_step, stream, *, fsdp: bool, d, console):
+def restore(resume: Resume, policy, opt_step, stream, *, fsdp: bool, d, console, grpo: bool = True):
     """A resumed run's optimizer, schedule and prompt stream, from the checkpoint's training
-    state (resume.loaded), and what differs from its run (resume.changed), said."""
+    state (resume.loaded), and what differs from its run (resume.changed), said. grpo=False: a
+    checkpoint of the warm-up (sft-N, sft-end), before GRPO's first step: GRPO's optimizer and
+    stream start fresh (the warm-up's optimizer is restored by stages.py)."""
     resume_from, loaded, changed = resume
     state = loaded[0]
     try:
-        if fsdp:
+        if grpo and fsdp:
             ckpt.load_sharded(resume_from, policy, opt_step.optimizer)
-        else:
+        elif grpo:
             opt_step.optimizer.load_state_dict(loaded[1])
-        opt_step.scheduler.load_state_dict(loaded[2])
-        stream.load_state(state.stream)
+        if grpo:
+            opt_step.scheduler.load_state_dict(loaded[2])
+            stream.load_state(state.stream)
     except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
         raise UserError(
             f"checkpoint {resume_from}: its optimizer/scheduler state does not fit this "
             f"model and optimizer ({first_line(exc, 160)}); resume with the checkpoint's own "
             "model and optimizer settings, or start a new run."
         ) from exc
-    console.print(f"resumed from {resume_from} at step {state.step}")
+    where = (
+        f"step {state.step}"
+        if grpo
+        else ("the end of the warm-up" if state.sft_done else f"warm-up step {state.sft_step}")
+    )
+    console.print(f"resumed from {resume_from} at {where}")
     if state.world_size != d.world_size:
         console.print(
             f"[yellow]the checkpoint was written by {state.world_size} process(es), this run has "

@@ -51,8 +51,11 @@ class Rollouts:
         """The step's groups, sampled and scored (step.sample_and_score)."""
         return phases.sample_and_score(step, self)
 
-    def grade(self, examples: list, num_generations: int = 1, greedy: bool = True) -> Scored | None:
-        """Held-out prompts, G completions each, scored (evaluate.grade; 64 completions a call)."""
+    def grade(
+        self, examples: list, num_generations: int = 1, greedy: bool = True, seeds: list[int] | None = None
+    ) -> Scored | None:
+        """Held-out prompts, G completions each, scored (evaluate.grade; 64 completions a call;
+        seeds: each prompt's sampling seed)."""
         return grade(
             self.path,
             self.tokenizer,
@@ -61,6 +64,7 @@ class Rollouts:
             num_generations=num_generations,
             greedy=greedy,
             prompts_per_call=max(1, 64 // num_generations),
+            seeds=seeds,
         )
 
     def evaluate(self, examples: list, prefix: str, groups: list[str]) -> dict[str, float]:

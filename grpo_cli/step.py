@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from grpo_cli import selfcheck
-from grpo_cli.adapters import disabled_adapters
+from grpo_cli.adapters import reference_weights
 from grpo_cli.config import Config, LossConfig, SamplerConfig
 from grpo_cli.distributed import Dist, gradient_sync, is_sharded, prompt_seed, shard
 from grpo_cli.environments.path import RolloutPath
@@ -284,12 +284,13 @@ def reference_logprobs(
 ) -> torch.Tensor:
     """A frozen model's (the reference's, the teacher's) log-probs [N, C] of the batch's
     completions, micro-batch by micro-batch (with LoRA the reference is the policy with its
-    adapters disabled); options: the scoring plan's (packing.ScoringPlan.options)."""
+    adapters disabled, or its warmed adapter active: adapters.reference_weights);
+    options: the scoring plan's (packing.ScoringPlan.options)."""
     r = batch.rollout
     ref_logps = torch.zeros_like(r.sampler_logps)  # [N, C]
     # (FSDP2's all-gathers run under no_grad, not inference mode.)
     with (
-        disabled_adapters(ref),
+        reference_weights(ref),
         torch.no_grad() if is_sharded(ref) else torch.inference_mode(),
         autocast(ref_logps.device, precision),
     ):

@@ -80,6 +80,7 @@ POSITIVE_INTS = (
     "data.num_examples",
     "data.max_operand",
     "adapter.r",
+    "sft.batch_size",
 )
 NON_NEGATIVE = (
     "sampler.top_k",
@@ -114,6 +115,8 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     fixed order (the owners are imported here, not at the top: config/ imports nothing of theirs
     when it is imported)."""
     from grpo_cli import adapters, data, distributed, environments, optim, samplers, trackers
+    from grpo_cli.band import check_band
+    from grpo_cli.sft import check_sft
 
     tr = cfg.trainer
     problems = _value_problems(cfg)
@@ -135,6 +138,8 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     problems += adapters.check_adapter(cfg.adapter, tr)
     problems += _validate_rewards(cfg.reward) if cfg.reward or not cfg.loss.teacher_kl else []
     problems += _teacher_problems(cfg)
+    problems += check_sft(cfg)
+    problems += check_band(cfg)
     problems += samplers.validate(cfg)  # (its name; then each backend validates its own keys)
     if not unused_ok:
         problems += unused_settings(cfg)

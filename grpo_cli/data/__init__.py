@@ -39,11 +39,22 @@ class Facts:
     (grpo_cli/config/task.py): max_new_tokens, the completion length its answers need (256:
     a few paragraphs of reasoning, TRL's max_completion_length until 1.9 (1.16's is 512); a task
     whose answers are short says so), and rewards,
-    the rewards that score it, its correctness reward first."""
+    the rewards that score it, its correctness reward first; demonstration(columns) -> the
+    completion that answers a row (its columns besides the prompt) in the form its correctness
+    reward checks, or None where it has none: what sft=demonstrations trains on (grpo_cli/sft.py;
+    None: the source writes none, give sft.path)."""
 
     wide_eval: Callable[[Any, int], list[dict]] | None = None
     max_new_tokens: int = 256
     rewards: tuple[str, ...] = ("accuracy",)
+    demonstration: Callable[[dict], str | None] | None = None
+
+
+def completion_column(columns: dict) -> str | None:
+    """A table's demonstration: its `completion` column (TRL's prompt-completion format), where
+    it is a non-empty string."""
+    value = columns.get("completion")
+    return value if isinstance(value, str) and value.strip() else None
 
 
 @dataclass

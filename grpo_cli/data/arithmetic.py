@@ -180,5 +180,12 @@ PLUGIN = Plugin(
     # Answers are a few tokens: 16 leaves room for "The answer is -12." and cuts rambling short
     # (a cut ramble states no answer and scores 0), halving rollout time versus 32. The format
     # reward pays 0.2 for a short answer that holds a number (the reference article's recipe).
-    facts=Facts(wide_eval=wide_rows, max_new_tokens=16, rewards=("accuracy", "format")),
+    # A demonstration is the bare answer ("47", "-5"): what the strict accuracy passes and the
+    # format reward pays for (at most 16 characters).
+    facts=Facts(
+        wide_eval=wide_rows,
+        max_new_tokens=16,
+        rewards=("accuracy", "format"),
+        demonstration=lambda columns: columns.get("answer"),
+    ),
 )

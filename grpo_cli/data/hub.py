@@ -3,7 +3,7 @@ data.subset its configuration, data.split and data.eval_split its splits (the da
 
 from __future__ import annotations
 
-from grpo_cli.data import Facts
+from grpo_cli.data import Facts, completion_column
 from grpo_cli.data._tables import needs_path, table_rows
 from grpo_cli.plugins import Plugin
 
@@ -11,5 +11,5 @@ PLUGIN = Plugin(
     name="hub",
     build=lambda d, seed, options: table_rows(d, seed, "hub"),
     check=needs_path,
-    facts=Facts(),
+    facts=Facts(demonstration=completion_column),
 )

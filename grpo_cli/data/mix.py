@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, List, Optional  # (List/Optional: OmegaConf-friendly option types)
 
 from grpo_cli import plugins
-from grpo_cli.data import Facts
+from grpo_cli.data import Facts, completion_column
 from grpo_cli.data._tables import fill_columns, load_table
 from grpo_cli.errors import UserError
 from grpo_cli.plugins import Plugin
@@ -152,4 +152,6 @@ def rows(d, seed: int, options: Options) -> tuple[list[dict], list[dict]]:
     return fill_columns(train), fill_columns(held)
 
 
-PLUGIN = Plugin(name="mix", build=rows, options=Options, check=check, facts=Facts())
+PLUGIN = Plugin(
+    name="mix", build=rows, options=Options, check=check, facts=Facts(demonstration=completion_column)
+)

@@ -303,5 +303,7 @@ PLUGIN = Plugin(
     options=Options,
     check=check,
     # Each task's own scorer (its answers are words, lists and numbers: not the math accuracy's).
-    facts=Facts(rewards=("reasoning_gym",)),
+    # A demonstration states the answer where the instruction asks for it (the reward reads the
+    # line after the last marker).
+    facts=Facts(rewards=("reasoning_gym",), demonstration=lambda columns: f"{MARKER} {columns['answer']}"),
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpo_cli.data import Facts
+from grpo_cli.data import Facts, completion_column
 from grpo_cli.data._tables import fill_columns, held_out
 from grpo_cli.plugins import Plugin
 
@@ -43,4 +43,4 @@ def check(d) -> list[str]:
     ]
 
 
-PLUGIN = Plugin(name="rows", build=rows, check=check, facts=Facts())
+PLUGIN = Plugin(name="rows", build=rows, check=check, facts=Facts(demonstration=completion_column))

@@ -145,10 +145,20 @@ class TokenLogprobs(torch.nn.Module):
             length_buckets=length_buckets,
         )
 
-    def forward(self, prompt_ids, prompt_mask, completion_ids, attention_mask, num_generations: int = 1):
+    def forward(
+        self, prompt_ids, prompt_mask, completion_ids, attention_mask, num_generations: int = 1, options=None
+    ):
+        """TokenScores [b, C] each; `options`: a ScoringOptions of the caller's instead of the
+        training step's (the warm-up's NLL: temperature 1, no truncation; grpo_cli/sft.py)."""
         return score_tokens(
-            self.model, prompt_ids, prompt_mask, completion_ids, attention_mask, self.options, num_generations
-        )  # TokenScores: [b, C] each
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            attention_mask,
+            options or self.options,
+            num_generations,
+        )
 
 
 def shared_prompt_groups(prompt_ids: torch.Tensor, G: int) -> list[bool]:
