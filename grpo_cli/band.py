@@ -79,17 +79,23 @@ def pass_rates(rollouts, examples: list, samples: int, seed: int, dist=None) -> 
     graded = rollouts.grade(
         chunk, num_generations=samples, greedy=False, seeds=[prompt_seed(seed, 0, i) for i in mine]
     )
-    counts = [[0, 0] for _ in chunk]  # per example: (passed, counted)
-    if graded is not None:
-        for j, passed, applies in zip(
-            graded.prompt_index.tolist(), graded.passed.tolist(), graded.applies.tolist()
-        ):
-            counts[j][0] += bool(passed and applies)
-            counts[j][1] += bool(applies)
-    rates = [p / c if c else None for p, c in counts]
+    rates = rates_of(graded, len(chunk))
     if world > 1:
         rates = [r for part in dist.gather(rates) for r in part]
     return rates
+
+
+def rates_of(graded, n: int) -> list[float | None]:
+    """The pass rate of each of the n prompts of a graded draw (evaluate.grade's Scored, rows
+    grouped by prompt_index): the share of its rows the accuracy rule counts that pass; None where
+    it counts none."""
+    counts = [[0, 0] for _ in range(n)]  # per prompt: (passed, counted)
+    if graded is not None:
+        flags = zip(graded.prompt_index.tolist(), graded.passed.tolist(), graded.applies.tolist())
+        for j, passed, applies in flags:
+            counts[j][0] += bool(passed and applies)
+            counts[j][1] += bool(applies)
+    return [p / c if c else None for p, c in counts]
 
 
 def in_band(rates: Sequence[float | None], band: Sequence[float]) -> list[int]:

@@ -394,3 +394,28 @@ def test_a_band_that_keeps_too_few_prompts_is_refused_before_grpo(tmp_path):
     )
     with pytest.raises(UserError, match=r"keeps 0 of 64 training prompts.*widen the band"):
         train_here(overrides, tmp_path / "run")
+
+
+def test_grpo_eval_counts_the_prompts_inside_a_band(tmp_path):
+    """grpo-eval --band: how many held-out prompts the band would keep, per group, from the same
+    pass rates (band.rates_of) the training band reads."""
+    from grpo_cli.cli.eval import main
+    from grpo_cli.data.arithmetic import rows as arithmetic_rows
+
+    overrides = tiny(
+        "reward=[]",
+        "+reward.even.fn=band_rewards:even_answer",
+        "+reward.even.role=correctness",
+        "data.eval_size=12",
+        "data.wide_eval_max_operand=0",
+    )
+    out = tmp_path / "eval.json"
+    assert main([*overrides, "--samples=2", "--band", "0.5", "1", f"--output={out}"]) == 0
+    result = json.loads(out.read_text())
+    cfg = to_typed(composed(overrides))
+    _, held_out = arithmetic_rows(cfg.data, cfg.trainer.seed)
+    even = [row for row in held_out if int(row["answer"]) % 2 == 0]
+    assert (result["in_band"], result["in_band_of"]) == (len(even), len(held_out))
+    for kind in {row["kind"] for row in held_out}:
+        kept = sum(row["kind"] == kind for row in even)
+        assert result[f"in_band/{kind}"] == f"{kept}/{sum(row['kind'] == kind for row in held_out)}"

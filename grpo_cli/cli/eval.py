@@ -26,9 +26,12 @@ from grpo_cli.config import Config
 from grpo_cli.errors import UserError, report_and_exit
 
 
-def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=print) -> dict:
+def evaluate_model(
+    cfg: Config, *, samples: int, num_prompts: int | None, log=print, band: list[float] | None = None
+) -> dict:
     """grpo-eval's metrics (the module docstring's), on grpo-train's set-up (build.build_front:
-    the same checks, seed, tokenizer and data) and its evaluator (Rollouts.grade)."""
+    the same checks, seed, tokenizer and data) and its evaluator (Rollouts.grade). band: [low,
+    high], also how many prompts have a sampled pass rate inside it (band.in_band), per group."""
     from grpo_cli.build import build_front, build_rollouts, load_policy
     from grpo_cli.evaluate import group_accuracy, group_values
     from grpo_cli.loss import zero_std_groups
@@ -91,6 +94,8 @@ def evaluate_model(cfg: Config, *, samples: int, num_prompts: int | None, log=pr
             result.update(_env_means("sampled", sampled))
             per_group("pass@1", sampled, examples)  # per kind: how often it samples a right answer
             result["advice"] = _advice(result["pass@1"])
+            if band is not None:
+                result.update(_band_counts(sampled, examples, band, by))
         result["seconds"] = time.perf_counter() - t0
     finally:
         rollouts.close()
@@ -114,6 +119,18 @@ def _sampled_metrics(sampled, same, temperature: float) -> dict:
         "sampled_mean_length": sampled.rollout.lengths.double().mean().item(),
         "sampled_reward": sampled.totals.mean().item(),
     }
+
+
+def _band_counts(sampled, examples, band: list[float], column: str | None) -> dict:
+    """How many prompts have a pass rate (over their sampled completions) in [low, high], of how
+    many, per value of data.eval_group_by too: what data.pass_rate_band would keep of them."""
+    from grpo_cli.band import by_group, in_band, rates_of
+
+    kept = in_band(rates_of(sampled, len(examples)), band)
+    out = {"band": f"[{band[0]:g}, {band[1]:g}]", "in_band": len(kept), "in_band_of": len(examples)}
+    for name, (k, n) in by_group(examples, kept, column).items():
+        out[f"in_band/{name}"] = f"{k}/{n}"
+    return out
 
 
 def _env_means(name: str, graded) -> dict[str, float]:
@@ -168,12 +185,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output", default="eval.json", help="where to write the JSON result (default eval.json)"
     )
+    parser.add_argument(
+        "--band",
+        nargs=2,
+        type=float,
+        metavar=("LOW", "HIGH"),
+        help="also count the prompts whose sampled pass rate lies in [LOW, HIGH] (data.pass_rate_band), per group",
+    )
     args = parser.parse_args(argv)
+    if args.band is not None and not 0 <= args.band[0] <= args.band[1] <= 1:
+        parser.error(f"--band {args.band[0]:g} {args.band[1]:g}: give LOW HIGH with 0 <= LOW <= HIGH <= 1")
     console = Console()
     try:
         cfg = typed_config(args.overrides, checkpoint=args.checkpoint)
         samples = cfg.sampler.num_generations if args.samples is None else args.samples
-        result = evaluate_model(cfg, samples=samples, num_prompts=args.num_prompts, log=console.print)
+        if args.band is not None and samples < 2:
+            raise UserError(f"--band needs --samples of 2 or more (a pass rate per prompt); it is {samples}.")
+        result = evaluate_model(
+            cfg, samples=samples, num_prompts=args.num_prompts, log=console.print, band=args.band
+        )
     except UserError as exc:
         report_and_exit("grpo-eval", [str(exc)])
     print_result(result, console)
