@@ -27,14 +27,7 @@ def check_band(cfg) -> list[str]:
     """data.pass_rate_band and data.band_samples (config validation)."""
     d = cfg.data
     band = None if d.pass_rate_band is None else list(d.pass_rate_band)
-    if band is None:
-        from grpo_cli.config.schema import DataConfig
-
-        if d.band_samples != DataConfig().band_samples:
-            return [
-                f"data.band_samples={d.band_samples} is ignored without data.pass_rate_band (the samples a "
-                "prompt's pass rate is measured from): set data.pass_rate_band=[0.2,0.8], otherwise drop it."
-            ]
+    if band is None:  # (data.band_samples without a band: config.validation.unused_settings)
         return []
     problems = []
     if (

@@ -4,7 +4,7 @@ a resumed run's state.
 grpo-train (build_training) and grpo-eval (cli/eval.py) share one set-up, build_front: cheap
 checks first (a bad reward, device, precision, checkpoint or data file fails before any model is
 loaded), the seed, then the tokenizer and the tokenised data; then build_rollouts. Frozen models
-(the reference, the teacher) load one way: load_frozen.
+(the reference, the teacher) load one way: frozen.load_frozen.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from grpo_cli.adapters import (
     check_quantization,
     is_adapted,
     load_lora,
-    load_reference_adapter,
     trainable_summary,
 )
 from grpo_cli.config import Config, DataConfig
@@ -40,6 +39,7 @@ from grpo_cli.distributed import Dist, shard_model, wrap_scorer
 from grpo_cli.environments.episodes import environment_episodes
 from grpo_cli.errors import UserError
 from grpo_cli.evaluate import check_group_by
+from grpo_cli.frozen import model_kw, reference, teacher_model
 from grpo_cli.logprobs import TokenLogprobs
 from grpo_cli.models import (
     TESTED_MODEL_TYPES,
@@ -131,10 +131,6 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
-def _model_kw(cfg: Config) -> dict[str, Any]:
-    return dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-
-
 def load_policy(
     cfg: Config, source: ModelSource, device, precision: Precision, *, trainable: bool, resume_from=None
 ):
@@ -146,7 +142,7 @@ def load_policy(
         where = ModelSource(str(resume_from), None, f"checkpoint {resume_from}") if resume_from else source
         key = "trainer.resume" if resume_from else "model.name_or_path"
         model = load_model(
-            where, device=device, trainable=trainable, gradient_checkpointing=gc, key=key, **_model_kw(cfg)
+            where, device=device, trainable=trainable, gradient_checkpointing=gc, key=key, **model_kw(cfg)
         )
         # Loaded in fp32 either way: a model to train keeps these fp32 values as its master
         # weights (build_training); one to evaluate is stored in the precision's dtype now.
@@ -169,7 +165,7 @@ def load_policy(
         gradient_checkpointing=gc and not quantized,
         dtype=half or torch.float32,
         quantize_4bit=quantized,
-        **_model_kw(cfg),
+        **model_kw(cfg),
     )
     saved = resume_from or a.path
     if saved:
@@ -294,62 +290,6 @@ def _data_summary(cfg: Config, data, wide_eval) -> str:
             else ""
         )
         + (f"; {data.truncated} truncated on the left" if data.truncated else "")
-    )
-
-
-def load_frozen(
-    source: ModelSource, at: Placement, fsdp: bool, *, key: str = "model.name_or_path", **model_kw
-):
-    """A frozen model (eval, no grad: the reference, the teacher) from `source` on at.device, stored
-    in the precision's weights dtype (as the policy's, not from_pretrained's) and sharded under FSDP2
-    as the policy is. model_kw: load_model's revision and trust_remote_code; `key` names the setting."""
-    model = load_model(source, device=at.device, trainable=False, key=key, **model_kw)
-    if at.precision.weights_dtype is not None:
-        to_weights_dtype(model, at.precision.weights_dtype)
-    if fsdp:
-        shard_model(model)
-    return model
-
-
-def _reference(cfg: Config, policy, source: ModelSource, at: Placement, fsdp: bool, warmed: Path | None):
-    """The reference model, which exists only when the KL term does (beta > 0): frozen, eval, no
-    grad. With adapters it is the policy itself, run with its adapters disabled (or, after a
-    warm-up, its warmed adapter active: adapters.reference_weights); otherwise a second copy of the
-    base model, in the policy's dtype. `warmed`: the warm-up's sft-end, where the reference is the
-    warmed policy (sft.reference=warmed) and the warm-up has run; None where it has yet to run
-    (None for now: stages.py loads it when the warm-up ends) or there is none."""
-    if cfg.loss.beta <= 0:
-        return None
-    pending = cfg.sft.name != "none" and cfg.sft.reference == "warmed"
-    if is_adapted(policy):
-        if pending and warmed is not None:
-            load_reference_adapter(policy, warmed)
-        return policy
-    if pending:
-        return None if warmed is None else warmed_reference(cfg, warmed, at, fsdp)
-    return load_frozen(source, at, fsdp, **_model_kw(cfg))
-
-
-def warmed_reference(cfg: Config, warmed: Path, at: Placement, fsdp: bool):
-    """The warmed policy (the warm-up's checkpoint sft-end) as a frozen copy: full fine-tuning's
-    KL reference under sft.reference=warmed."""
-    source = ModelSource(str(warmed), None, f"the warmed policy ({warmed})")
-    return load_frozen(source, at, fsdp, key="sft.reference", **_model_kw(cfg))
-
-
-def _teacher(cfg: Config, source: ModelSource | None, at: Placement, fsdp: bool):
-    """On-policy distillation's teacher (teacher.py's teacher_source found it), frozen as the
-    reference is, on the training device; None without a teacher (source None)."""
-    if source is None:
-        return None
-    te = cfg.teacher
-    return load_frozen(
-        source,
-        at,
-        fsdp,
-        key="teacher.name_or_path",
-        revision=te.revision,
-        trust_remote_code=te.trust_remote_code,
     )
 
 
@@ -481,8 +421,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
 
     policy, masters = _policy(cfg, front, fsdp, console)
     warmed = resume.path.parent / ckpt.SFT_END if state.sft_done and resume.path else None
-    ref = _reference(cfg, policy, front.source, at, fsdp, warmed)
-    teacher = _teacher(cfg, front.teacher, at, fsdp)
+    ref = reference(cfg, policy, front.source, at, fsdp, warmed)
+    teacher = teacher_model(cfg, front.teacher, at, fsdp)
 
     opt_step = optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
     stream = PromptStream(train, seed=t.seed)

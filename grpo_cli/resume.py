@@ -16,6 +16,29 @@ from grpo_cli.config import Config
 from grpo_cli.distributed import Dist
 from grpo_cli.errors import UserError, first_line
 
+# The keys that define the weights a checkpoint continues (the model, and the shape of its
+# adapters): they may not change on resume. Everything else may (with a note that the run no
+# longer reproduces exactly).
+MODEL_IDENTITY_KEYS = ("name_or_path", "gguf_file", "revision", "tokenizer")
+ADAPTER_IDENTITY_KEYS = ("name", "r", "alpha", "target_modules", "quantization")
+# Keys that do not change what is computed; changing them on resume is not worth a note.
+_COSMETIC_KEYS = {
+    "trainer.resume",
+    "trainer.quiet",
+    "trainer.logging_steps",
+    "trainer.save_steps",
+    "trainer.keep_last",
+    "trainer.max_bad_steps",
+    "trainer.self_check",
+    "trainer.eval_before",
+    "model.offline_wheel",
+    "model.offline_gguf",
+    "model.trust_remote_code",
+    "trainer.report_to",
+    "trainer.distributed_timeout_s",
+    "trainer.distributed_timeout",  # (its old name: a checkpoint saved before the rename has it)
+}
+
 
 class Resume(NamedTuple):
     """The checkpoint a run resumes from (None without trainer.resume), its loaded training state
@@ -40,8 +63,71 @@ def resume_state(cfg: Config, run_dir: Path, fsdp: bool) -> Resume:
             + (" and trainer.num_processes >= 2" if not fsdp else "")
             + ", or start a new run from its weights (model.name_or_path=<the checkpoint folder>)."
         )
-    changed = ckpt.check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    changed = check_resume_config(resume_from, OmegaConf.to_container(OmegaConf.structured(cfg)))
     return Resume(resume_from, ckpt.load_training_state(resume_from), changed)
+
+
+def check_resume_config(path: Path, current: dict[str, Any]) -> list[str]:
+    """Refuse to resume a checkpoint with a different model; return the other settings that
+    differ from the checkpoint's (`key: old -> new`), which are allowed."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(
+            f"checkpoint {path} has an unreadable config.yaml ({first_line(exc)}); "
+            "resume from an earlier checkpoint."
+        ) from exc
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise UserError(
+            f"checkpoint {path} has no model section in its config.yaml: it was not written "
+            "by this version of grpo-train; start a new run instead."
+        )
+    for key in MODEL_IDENTITY_KEYS:
+        old, new = saved["model"].get(key), current["model"].get(key)
+        if not _same_model_value(old, new):
+            raise UserError(
+                f"checkpoint {path} was trained from model.{key}={old!r}, but this run sets "
+                f"model.{key}={new!r}. A resumed run continues the checkpoint's weights, so "
+                f"model.{key} must stay the same: drop that override (or set model.{key}={old}), or start "
+                "a new run (a new hydra.run.dir, no trainer.resume) to train the other model."
+            )
+    saved_adapter, adapter = saved.get("adapter") or {"name": "none"}, current.get("adapter") or {}
+    for key in ADAPTER_IDENTITY_KEYS if saved_adapter.get("name") != "none" else ("name",):
+        old, new = saved_adapter.get(key), adapter.get(key)
+        if old != new:
+            raise UserError(
+                f"checkpoint {path} was trained with adapter.{key}={old!r}, but this run sets "
+                f"adapter.{key}={new!r}. A resumed run continues the checkpoint's "
+                f"{'adapters' if saved_adapter.get('name') != 'none' else 'full weights'}, so adapter.{key} must "
+                f"stay the same: drop that override (or set adapter.{key}={old}), or start a new run."
+            )
+    changed = []
+    for key, old in _flatten(saved).items():
+        new = _flatten(current).get(key, "<absent>")
+        if key not in _COSMETIC_KEYS and old != new:
+            changed.append(f"{key}: {old!r} -> {new!r}")
+    return changed
+
+
+def _same_model_value(old, new) -> bool:
+    if old == new:
+        return True
+    if isinstance(old, str) and isinstance(new, str):
+        a, b = Path(old).expanduser(), Path(new).expanduser()
+        if a.exists() and b.exists():
+            return a.resolve() == b.resolve()
+    return False
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
 
 
 def restore(resume: Resume, policy, opt_step, stream, *, fsdp: bool, d, console, grpo: bool = True):

@@ -20,6 +20,7 @@ from grpo_cli import checkpoint as ckpt
 from grpo_cli import sft
 from grpo_cli.adapters import is_adapted, load_reference_adapter
 from grpo_cli.data import PromptStream
+from grpo_cli.frozen import warmed_reference
 
 
 def before_grpo(run, stop) -> dict[str, dict[str, float]]:
@@ -109,8 +110,6 @@ def _warmed_reference(run, warmed) -> None:
     """After the warm-up: the KL reference (loss.beta > 0) becomes the warmed policy, unless
     sft.reference=base: under LoRA its adapter is loaded as the policy's frozen second adapter;
     otherwise a frozen copy is loaded from sft-end."""
-    from grpo_cli.build import warmed_reference
-
     cfg, parts = run.cfg, run.parts
     if cfg.loss.beta <= 0 or cfg.sft.reference != "warmed" or warmed is None:
         return

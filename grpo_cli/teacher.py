@@ -1,6 +1,6 @@
 """The teacher of on-policy distillation (teacher.name_or_path, loss.teacher_kl; docs/recipe.md):
 where its weights come from, once its tokenizer is checked against the student's. The frozen model
-itself loads as the reference does (build.load_frozen: the trainer's precision, sharded under
+itself loads as the reference does (frozen.load_frozen: the trainer's precision, sharded under
 FSDP2). The loss's term is grpo_cli/loss/terms.py's teacher_term; the loop scores the teacher as it
 scores the reference (roles.Learner.teacher_scores)."""
 

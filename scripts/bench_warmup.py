@@ -6,6 +6,9 @@ completions, held-out greedy accuracy by kind and on the wide set):
     grpo       GRPO alone (the default recipe)
     sft_grpo   sft=demonstrations (one epoch of bare answers), then the default GRPO; its metrics
                hold three points: start -> after warm-up (= the warm-up alone) -> after GRPO
+    sft_alone_lr1e-4, sft_alone_lr2e-5
+               the warm-up alone at another learning rate (one GRPO step ends the run; its
+               after-warm-up point is the measurement)
     sanity     the learnable band as a sanity check: the start model's 20-80% band (8 samples a
                prompt), 2,048 completions (trainer.epochs raised so the band's prompts fill 64
                steps); greedy accuracy on those training prompts (grpo-eval on them) and held out
@@ -32,6 +35,9 @@ ARMS = {
     "grpo": [],
     "sft_grpo": ["sft=demonstrations"],
     "sanity": ["data.pass_rate_band=[0.2,0.8]", "trainer.epochs=100"],
+    # The warm-up alone at another learning rate (its after-warm-up point; one GRPO step ends the run).
+    "sft_alone_lr1e-4": ["sft=demonstrations", "sft.learning_rate=1e-4", "trainer.max_steps=1"],
+    "sft_alone_lr2e-5": ["sft=demonstrations", "sft.learning_rate=2e-5", "trainer.max_steps=1"],
 }
 
 

@@ -999,8 +999,8 @@ def test_reward_code_is_imported_only_from_an_explicit_fn(compose):
 def test_resume_allows_settings_changes_but_not_a_model_change(trained_run):
     import yaml
 
-    from grpo_cli.checkpoint import check_resume_config
     from grpo_cli.errors import UserError
+    from grpo_cli.resume import check_resume_config
 
     ckpt = trained_run / "checkpoints" / "step-000003"
     saved = yaml.safe_load((ckpt / "config.yaml").read_text())

@@ -359,6 +359,7 @@ def test_the_band_keeps_exactly_the_prompts_inside_it(tmp_path):
         "data.pass_rate_band=[0.5,1.0]",
         "data.band_samples=2",
         "trainer.max_steps=3",
+        "trainer.save_steps=2",
         "trainer.eval_before=false",
         "data.eval_size=8",
     )
@@ -374,6 +375,21 @@ def test_the_band_keeps_exactly_the_prompts_inside_it(tmp_path):
     assert trained and set(trained) <= kept_prompts
     state = torch.load(run / "checkpoints" / "step-000003" / "trainer_state.pt", weights_only=True)
     assert state["band"] == band["kept"]
+
+    # Resumed from step 2: the stored band is reused (no second probe), and the run ends as it did.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000003")
+    (resumed / "band.json").unlink()
+    train_here([*overrides, "trainer.resume=auto"], resumed)
+    assert not (resumed / "band.json").exists()
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("phase") for r in rows].count("band") == 1  # (the first run's row, kept)
+    final, expected = (
+        _weights(resumed / "checkpoints" / "step-000003"),
+        _weights(run / "checkpoints" / "step-000003"),
+    )
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
 
 
 def test_pass_rates_count_samples_and_the_band_ends_are_inclusive():

@@ -11,6 +11,7 @@ and the unused settings, which compare each group with its schema defaults."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ from grpo_cli.config.schema import (
     EnvironmentConfig,
     LossConfig,
     SamplerConfig,
+    SftConfig,
     TrainerConfig,
 )
 
@@ -394,6 +396,19 @@ def unused_settings(cfg: Any) -> list[str]:
             "the forward and backward; it applies to loss.zero_std=mask, otherwise drop it."
         )
     problems += _unused_environment(cfg.environment)
+    if cfg.sft.name == "none":
+        for key, value in _changed(
+            cfg.sft, SftConfig(), tuple(f.name for f in dataclasses.fields(SftConfig))[1:]
+        ):
+            problems.append(
+                f"sft.{key}={_shown(value)} is ignored with sft=none (no warm-up runs): choose sft=demonstrations "
+                f"(grpo-train sft=demonstrations sft.{key}={_cli(value)}), otherwise drop sft.{key}."
+            )
+    if d.pass_rate_band is None and d.band_samples != DataConfig().band_samples:
+        problems.append(
+            f"data.band_samples={d.band_samples} is ignored without data.pass_rate_band (the samples a prompt's "
+            "pass rate is measured from): set data.pass_rate_band=[0.2,0.8], otherwise drop data.band_samples."
+        )
     if a.name == "none":
         for key, value in _changed(a, AdapterConfig(), ("r", "alpha", "dropout", "target_modules", "init")):
             problems.append(
