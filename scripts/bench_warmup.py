@@ -6,9 +6,11 @@ completions, held-out greedy accuracy by kind and on the wide set):
     grpo       GRPO alone (the default recipe)
     sft_grpo   sft=demonstrations (one epoch of bare answers), then the default GRPO; its metrics
                hold three points: start -> after warm-up (= the warm-up alone) -> after GRPO
-    sft_alone_lr1e-4, sft_alone_lr2e-5
-               the warm-up alone at another learning rate (one GRPO step ends the run; its
-               after-warm-up point is the measurement)
+    sft_grpo_lr5e-5
+               sft_grpo at the first learning rate tried (5e-5)
+    sft_alone_lr1e-4
+               the warm-up alone at the second (one GRPO step ends the run; its after-warm-up
+               point is the measurement): 1e-4 became sft.learning_rate's default
     sanity     the learnable band as a sanity check: the start model's 20-80% band (8 samples a
                prompt), 2,048 completions (trainer.epochs raised so the band's prompts fill 64
                steps); greedy accuracy on those training prompts (grpo-eval on them) and held out
@@ -34,10 +36,10 @@ RESULT = harness.RESULTS / "warmup.json"
 ARMS = {
     "grpo": [],
     "sft_grpo": ["sft=demonstrations"],
+    "sft_grpo_lr5e-5": ["sft=demonstrations", "sft.learning_rate=5e-5"],
     "sanity": ["data.pass_rate_band=[0.2,0.8]", "trainer.epochs=100"],
-    # The warm-up alone at another learning rate (its after-warm-up point; one GRPO step ends the run).
+    # The warm-up alone at a learning rate (its after-warm-up point; one GRPO step ends the run).
     "sft_alone_lr1e-4": ["sft=demonstrations", "sft.learning_rate=1e-4", "trainer.max_steps=1"],
-    "sft_alone_lr2e-5": ["sft=demonstrations", "sft.learning_rate=2e-5", "trainer.max_steps=1"],
 }
 
 

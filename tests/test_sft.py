@@ -435,3 +435,35 @@ def test_grpo_eval_counts_the_prompts_inside_a_band(tmp_path):
     for kind in {row["kind"] for row in held_out}:
         kept = sum(row["kind"] == kind for row in even)
         assert result[f"in_band/{kind}"] == f"{kept}/{sum(row['kind'] == kind for row in held_out)}"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["trainer.precision=bf16", "trainer.gradient_checkpointing=true"],  # bf16 weights, fp32 masters
+        ["trainer.micro_batch_tokens=64"],  # token-budget micro-batches, rows in length buckets
+        ["adapter=lora", "adapter.r=4", "trainer.gradient_accumulation_steps=2"],
+    ],
+    ids=["bf16-checkpointed", "token-budget", "lora-accumulation"],
+)
+def test_the_warm_up_trains_through_grpos_forward_paths(tmp_path, extra):
+    """The warm-up runs where GRPO's training forward runs: its loss falls over a few steps on
+    the same demonstrations (sft.batch_size = every one) and the trained weights move."""
+    run = tmp_path / "run"
+    overrides = tiny(
+        "sft=demonstrations",
+        "sft.steps=4",
+        "sft.batch_size=8",
+        "sft.learning_rate=3e-3",
+        "data.num_examples=8",
+        "data.eval_size=0",
+        "data.wide_eval_max_operand=0",
+        "trainer.max_steps=1",
+        *extra,
+    )
+    train_here(overrides, run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["sft/loss"] for r in rows if r.get("phase") == "sft"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    end = run / "checkpoints" / "sft-end"
+    assert (end / ("adapter_model.safetensors" if "adapter=lora" in extra else "model.safetensors")).is_file()
