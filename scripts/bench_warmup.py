@@ -11,6 +11,7 @@ completions, held-out greedy accuracy by kind and on the wide set):
     sft_alone_lr1e-4
                the warm-up alone at the second (one GRPO step ends the run; its after-warm-up
                point is the measurement): 1e-4 became sft.learning_rate's default
+    rg_mixed   reasoning-gym's default task configs mixed, the warm-up then GRPO (per task)
     sanity     the learnable band as a sanity check: the start model's 20-80% band (8 samples a
                prompt), 2,048 completions (trainer.epochs raised so the band's prompts fill 64
                steps); greedy accuracy on those training prompts (grpo-eval on them) and held out
@@ -38,6 +39,17 @@ ARMS = {
     "sft_grpo": ["sft=demonstrations"],
     "sft_grpo_lr5e-5": ["sft=demonstrations", "sft.learning_rate=5e-5"],
     "sanity": ["data.pass_rate_band=[0.2,0.8]", "trainer.epochs=100"],
+    # reasoning-gym at its default task configs (data=reasoning_gym: chain_sum, leg_counting,
+    # letter_counting, spell_backward), mixed, the warm-up first; 480 training rows (30 warm-up
+    # steps), 100 held out (25 a task), 32 new tokens: accuracy per task at the three points.
+    "rg_mixed": [
+        "data=reasoning_gym",
+        "reward=[reasoning_gym]",
+        "sampler.max_new_tokens=32",
+        "sft=demonstrations",
+        "data.options.size=480",
+        "data.eval_size=100",
+    ],
     # The warm-up alone at a learning rate (its after-warm-up point; one GRPO step ends the run).
     "sft_alone_lr1e-4": ["sft=demonstrations", "sft.learning_rate=1e-4", "trainer.max_steps=1"],
 }
