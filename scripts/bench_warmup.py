@@ -93,33 +93,37 @@ def _points(rows: list[dict]) -> dict:
 
 
 def _band_train_accuracy(run_dir, seed: int) -> dict:
-    """Greedy accuracy of the final checkpoint on the training prompts the band kept (grpo-eval on
-    a file of them)."""
-    from grpo_cli.config.schema import DataConfig
+    """Greedy accuracy of the final checkpoint on the training prompts the band kept: grpo-eval's
+    evaluator in this process, over those rows given as data.source=rows (a file would hold out
+    at most a fifth of them)."""
+    from grpo_cli.cli.common import compose_config
+    from grpo_cli.cli.eval import evaluate_model
+    from grpo_cli.config import DataConfig, to_typed
+    from grpo_cli.data import rows as given
     from grpo_cli.data.arithmetic import rows as arithmetic_rows  # (the generator's own rows)
 
+    harness.go_offline()
     band = json.loads((run_dir / "band.json").read_text())
     train, _ = arithmetic_rows(DataConfig(), seed)
     kept = [train[i] for i in band["kept"]]
-    path = run_dir / "band_rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    out = run_dir / "band_eval.json"
-    harness.run(
-        harness.program(
-            "grpo-eval",
-            f"model.name_or_path={final}",
-            "data=jsonl",
-            f"data.path={path}",
-            "data.eval_split=train",
-            f"--output={out}",
-        )
-    )
-    result = json.loads(out.read_text())
+    given.given.train, given.given.eval = kept, kept
+    try:
+        cfg = to_typed(compose_config(["data=rows", f"model.name_or_path={final}", f"trainer.seed={seed}"]))
+        result = evaluate_model(cfg, samples=0, num_prompts=None)
+    finally:
+        given.given.train = given.given.eval = None
+    per_kind = {
+        k.removeprefix("greedy_accuracy/"): round(v, 3)
+        for k, v in result.items()
+        if k.startswith("greedy_accuracy/")
+    }
     return {
         "band_kept": len(kept),
         "band_groups": band["groups"],
-        "band_train_accuracy": result.get("accuracy", result),
+        "band_probe_s": band["seconds"],
+        "band_train_accuracy": result["greedy_accuracy"],
+        "band_train_accuracy_by_kind": per_kind,
     }
 
 

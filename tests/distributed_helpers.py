@@ -54,16 +54,9 @@ CASES = {
         "reward.code.fn=reward_fixtures:rare_pass",
         "trainer.dynamic_sampling=true",
     ],
-    # The warm-up (issue #60): its NLL through the same DDP or FSDP2 forward, normalised by the
-    # step's tokens over both ranks, then GRPO with the warmed policy as the reference.
+    # The warm-up (issue #60): its NLL through the same DDP forward, normalised by the step's
+    # tokens over both ranks, then GRPO with the warmed policy as the reference.
     "sft": ["sft=demonstrations", "sft.steps=2", "sft.batch_size=4", "loss.beta=0.04"],
-    "fsdp-sft": [
-        "trainer.distributed=fsdp",
-        "sft=demonstrations",
-        "sft.steps=2",
-        "sft.batch_size=4",
-        "loss.beta=0.04",
-    ],
     # LoRA adapters under DDP (the reference: the same model with its adapters disabled)
     "lora": [
         "adapter=lora",
