@@ -427,7 +427,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     opt_step = optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
     stream = PromptStream(train, seed=t.seed)
     if resume.loaded:  # (GRPO's optimizer and stream once GRPO has stepped; a warm-up's: stages.py)
-        restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console, grpo=state.step > 0)
+        restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
     plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
     if not plan.fast_paths:
         console.print(_untested_note(policy))

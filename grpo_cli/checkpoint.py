@@ -175,19 +175,17 @@ def save_checkpoint(
     name: str | None = None,
 ) -> Path:
     """Checkpoint `name` (default `step-<state.step>`; the warm-up's: sft-N, sft-end): the model,
-    tokenizer, optimizer, scheduler, config and
-    `state` with every RNG's current state (rng_ranks: every rank's, gathered; default this
-    process's). A model sharded by FSDP2 is saved by every process together (`dist`: this
-    process's distributed.Dist); otherwise only rank 0 calls this. `state_dict`: the weights to
-    write instead of the model's own (precision bf16: the fp32 master weights)."""
+    tokenizer, optimizer, scheduler, config and `state` with every RNG's current state (rng_ranks:
+    every rank's, gathered; default this process's). A model sharded by FSDP2 is saved by every
+    process together (`dist`: this process's distributed.Dist); otherwise only rank 0 calls this.
+    `state_dict`: the weights to write instead of the model's own (bf16: the fp32 masters)."""
     from grpo_cli.distributed import Dist, is_sharded
 
     d = dist or Dist()
     sharded = is_sharded(model)
     rng_ranks = rng_ranks or [rng_state()]
-    step = state.step
     root = checkpoints_dir(run_dir)
-    final = root / (name or f"step-{step:06d}")
+    final = root / (name or f"step-{state.step:06d}")
     tmp = root / f"{TMP_PREFIX}{final.name}-{d.broadcast(os.getpid()) if sharded else os.getpid()}"
     try:
         if d.is_main:

@@ -130,13 +130,14 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
-def restore(resume: Resume, policy, opt_step, stream, *, fsdp: bool, d, console, grpo: bool = True):
+def restore(resume: Resume, policy, opt_step, stream, *, fsdp: bool, d, console):
     """A resumed run's optimizer, schedule and prompt stream, from the checkpoint's training
-    state (resume.loaded), and what differs from its run (resume.changed), said. grpo=False: a
-    checkpoint of the warm-up (sft-N, sft-end), before GRPO's first step: GRPO's optimizer and
-    stream start fresh (the warm-up's optimizer is restored by stages.py)."""
+    state (resume.loaded), and what differs from its run (resume.changed), said. A checkpoint of
+    the warm-up (sft-N, sft-end: before GRPO's first step) leaves GRPO's optimizer and stream fresh
+    (the warm-up's optimizer is restored by stages.py)."""
     resume_from, loaded, changed = resume
     state = loaded[0]
+    grpo = state.step > 0
     try:
         if grpo and fsdp:
             ckpt.load_sharded(resume_from, policy, opt_step.optimizer)
