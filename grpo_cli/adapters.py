@@ -134,7 +134,9 @@ REFERENCE_ADAPTER = "reference"
 def load_reference_adapter(model, path) -> None:
     """The adapter saved at `path` (a LoRA checkpoint: sft-end) as `model`'s frozen second
     adapter, which the reference pass activates (reference_weights); the trained one stays active."""
+    training = model.training  # (PEFT's load_adapter puts the whole model in eval mode: no
     model.load_adapter(str(path), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    model.train(training)  # gradient checkpointing then, which acts in training mode only)
 
 
 def reference_weights(model):

@@ -415,16 +415,20 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     at, resume, fsdp = front.at, front.resume, _fsdp(cfg, d)
     precision, device, tokenizer, rewards = at.precision, at.device, front.tokenizer, front.rewards
     demonstrations = None
-    if cfg.sft.name != "none" and not state.sft_done:  # (read and checked before any model loads)
+    if cfg.sft.name != "none" and not state.sft_done and not state.step:  # (before any model loads)
         held_out = [ex.prompt_ids for ex in front.data.eval + front.wide_eval]
         demonstrations = read_demonstrations(cfg, tokenizer, front.data.train, held_out)
 
     policy, masters = _policy(cfg, front, fsdp, console)
-    warmed = resume.path.parent / ckpt.SFT_END if state.sft_done and resume.path else None
+    warmed = Path(state.warmed) if state.sft_done and state.warmed else None
+    if warmed is not None and not warmed.is_dir() and (resume.path.parent / ckpt.SFT_END).is_dir():
+        warmed = resume.path.parent / ckpt.SFT_END  # (the run folder was moved: its own sft-end)
     ref = reference(cfg, policy, front.source, at, fsdp, warmed)
     teacher = teacher_model(cfg, front.teacher, at, fsdp)
 
-    opt_step = optimizer_step(cfg, policy, masters, _grad_scaler(precision, device, state), total_steps, d)
+    # (fp16: a warm-up checkpoint's scaler state is the warm-up's own: stages.py restores it)
+    scaler = _grad_scaler(precision, device, state if state.step else ckpt.TrainerState())
+    opt_step = optimizer_step(cfg, policy, masters, scaler, total_steps, d)
     stream = PromptStream(train, seed=t.seed)
     if resume.loaded:  # (GRPO's optimizer and stream once GRPO has stepped; a warm-up's: stages.py)
         restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)

@@ -77,6 +77,7 @@ class TrainerState:
     # The warm-up (sft): its optimizer steps done, and whether it ended (GRPO runs after it).
     sft_step: int = 0
     sft_done: bool = False
+    warmed: str | None = None  # its checkpoint sft-end (the warmed reference reads it on resume)
     # The learnable band (data.pass_rate_band): the indices of the training prompts it kept, None
     # before it ran (or without one).
     band: list[int] | None = None
@@ -94,6 +95,7 @@ class TrainerState:
         state.last_entropy = float(data.get("last_entropy", math.inf))
         state.sft_step = int(data.get("sft_step", 0))
         state.sft_done = bool(data.get("sft_done", False))
+        state.warmed = data.get("warmed")
         band = data.get("band")
         state.band = None if band is None else [int(i) for i in band]
         return state

@@ -209,7 +209,8 @@ def _from_file(cfg, tokenizer, held_out: list[list[int]]) -> tuple[list[Example]
                 dropped.get("a row without a prompt and an assistant completion", 0) + 1
             )
             continue
-        pairs.append({"prompt": prompt, "completion": completion})
+        others = {k: v for k, v in row.items() if k not in ("prompt", "completion", "messages")}
+        pairs.append({**others, "prompt": prompt, "completion": completion})  # (answer: the reward's)
     d = cfg.data
     formatting = Formatting(
         "prompt", d.system_prompt, d.use_chat_template, cfg.sampler.max_prompt_length, "drop"
@@ -259,15 +260,24 @@ def keep_passing(demos: Demonstrations, rewards, tokenizer) -> Demonstrations:
     from grpo_cli.rewards.scoring import score
     from grpo_cli.rollout import Drawn
 
-    if correctness(rewards) is None:
+    judge = correctness(rewards)
+    if judge is None:
         return demos
-    batch = demonstration_batch(demos, list(range(len(demos))), tokenizer.pad_token_id, "cpu")
+    # Only rows that hold the gold answer can be judged (an sft.path file may have none): the
+    # others are kept as they are.
+    judged = [i for i, ex in enumerate(demos.examples) if ex.columns.get(judge.answer_column) is not None]
+    if not judged:
+        return demos
+    part = demos.subset(judged, "")
+    batch = demonstration_batch(part, list(range(len(part))), tokenizer.pad_token_id, "cpu")
     try:
-        scored = score(rewards, tokenizer, list(demos.examples), Drawn(batch.rollout))
+        scored = score(rewards, tokenizer, list(part.examples), Drawn(batch.rollout))
     except UserError as exc:
         raise UserError(f"scoring the warm-up's demonstrations ({demos.where}): {exc}") from exc
-    ok = (scored.passed | ~scored.applies).tolist()
-    return demos.subset([i for i, passed in enumerate(ok) if passed], "the run's correctness reward fails it")
+    failed = {judged[j] for j, ok in enumerate((scored.passed | ~scored.applies).tolist()) if not ok}
+    return demos.subset(
+        [i for i in range(len(demos)) if i not in failed], "the run's correctness reward fails it"
+    )
 
 
 def demonstration_batch(demos: Demonstrations, indices: list[int], pad_id: int, device):

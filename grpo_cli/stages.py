@@ -35,7 +35,7 @@ def before_grpo(run, stop) -> dict[str, dict[str, float]]:
             points["start"] = run.evaluate()
             log.log({"step": 0, "phase": "start", **points["start"]}, table=False)
         warm_up(run, stop)
-    if cfg.data.pass_rate_band is not None and state.band is None:
+    if cfg.data.pass_rate_band is not None and state.band is None and state.step == 0:
         learnable_band(run)
     if evaluate:
         points["before"] = run.evaluate()
@@ -60,8 +60,10 @@ def warm_up(run, stop) -> None:
         f"({total / per_epoch:.3g} epochs) at learning rate {cfg.sft.learning_rate:g} ({cfg.sft.lr_scheduler})"
     )
     opt = sft.sft_optimizer(cfg, learner, total)
-    if state.sft_step:  # resumed inside the warm-up: its optimizer and schedule as they were
+    if state.sft_step:  # resumed inside the warm-up: its optimizer, schedule (and fp16 scaler) as they were
         sft.restore_optimizer(opt, parts.resume, fsdp=run.fsdp)
+        if opt.scaler is not None and state.grad_scaler:
+            opt.scaler.load_state_dict(state.grad_scaler)
     options = sft.nll_options(learner)
     pad_id = parts.rollouts.tokenizer.pad_token_id
     log.phase("warm-up", total, state.sft_step)
@@ -98,6 +100,9 @@ def warm_up(run, stop) -> None:
         if k % t.save_steps == 0:
             run.save(0, name=f"sft-{k:06d}", opt=opt)
     state.sft_done = True
+    # (its own folder in the state it saves: a resume from it, or from GRPO's later checkpoints,
+    # finds the warmed reference there, whichever run folder it resumes into)
+    state.warmed = str((ckpt.checkpoints_dir(run.run_dir) / ckpt.SFT_END).resolve())
     warmed = run.save(0, name=ckpt.SFT_END)  # (GRPO's fresh optimizer beside the warmed weights)
     log.end_phase()
     parts.rollouts.sampler.sync(learner.policy)  # (a sampler with its own weights: vLLM's)

@@ -468,3 +468,48 @@ def test_the_warm_up_trains_through_grpos_forward_paths(tmp_path, extra):
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     end = run / "checkpoints" / "sft-end"
     assert (end / ("adapter_model.safetensors" if "adapter=lora" in extra else "model.safetensors")).is_file()
+
+
+def test_an_sft_file_with_gold_answers_is_judged_and_one_without_is_kept(tmp_path, tok):
+    """sft.path's other columns reach the correctness reward (a wrong demonstration is dropped);
+    a file without the gold answer column is kept whole rather than refused."""
+    from grpo_cli.rewards import build_rewards
+
+    rows = [
+        {"prompt": "What is 1 plus 1?", "completion": "2", "answer": "2"},
+        {"prompt": "What is 2 plus 2?", "completion": "5", "answer": "4"},
+    ]
+    (tmp_path / "gold.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = to_typed(composed(tiny("sft=demonstrations", f"sft.path={tmp_path / 'gold.jsonl'}")))
+    rewards = build_rewards(cfg.reward)
+    kept = keep_passing(read_demonstrations(cfg, tok, [], []), rewards, tok)
+    assert kept.texts == ("2",) and kept.dropped == {"the run's correctness reward fails it": 1}
+    (tmp_path / "plain.jsonl").write_text(
+        "".join(json.dumps({k: r[k] for k in ("prompt", "completion")}) + "\n" for r in rows)
+    )
+    cfg = to_typed(composed(tiny("sft=demonstrations", f"sft.path={tmp_path / 'plain.jsonl'}")))
+    assert keep_passing(read_demonstrations(cfg, tok, [], []), rewards, tok).texts == ("2", "5")
+
+
+def test_lora_stays_in_training_mode_beside_its_reference_adapter(tiny_model):
+    """PEFT's load_adapter puts the model in eval mode; the policy must train on (gradient
+    checkpointing acts in training mode only)."""
+    from grpo_cli.adapters import REFERENCE_ADAPTER, add_lora, load_reference_adapter, reference_weights
+    from grpo_cli.config import AdapterConfig
+
+    model, _ = tiny_model
+    policy = add_lora(copy.deepcopy(model), AdapterConfig(name="lora", r=4)).train()
+    saved = None
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        policy.save_pretrained(folder)
+        load_reference_adapter(policy, folder)
+        saved = policy.training
+    assert saved is True
+    assert REFERENCE_ADAPTER in policy.peft_config
+    trained = [n for n, p in policy.named_parameters() if p.requires_grad]
+    with reference_weights(policy):
+        pass
+    assert [n for n, p in policy.named_parameters() if p.requires_grad] == trained
+    assert trained and all(REFERENCE_ADAPTER not in n for n in trained)
