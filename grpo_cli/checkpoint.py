@@ -183,12 +183,12 @@ def save_checkpoint(
     `state_dict`: the weights to write instead of the model's own (bf16: the fp32 masters)."""
     from grpo_cli.distributed import Dist, is_sharded
 
-    d = dist or Dist()
-    sharded = is_sharded(model)
+    d, sharded = dist or Dist(), is_sharded(model)
     rng_ranks = rng_ranks or [rng_state()]
     root = checkpoints_dir(run_dir)
     final = root / (name or f"step-{state.step:06d}")
-    tmp = root / f"{TMP_PREFIX}{final.name}-{d.broadcast(os.getpid()) if sharded else os.getpid()}"
+    pid = d.broadcast(os.getpid()) if sharded else os.getpid()
+    tmp = root / f"{TMP_PREFIX}{final.name.removeprefix('step-')}-{pid}"  # .tmp-step-000050-<pid>
     try:
         if d.is_main:
             root.mkdir(parents=True, exist_ok=True)
