@@ -46,6 +46,8 @@ from grpo_cli.models import (
     ModelSource,
     load_model,
     load_tokenizer,
+    model_type,
+    recurrent,
     resolve_source,
     tested_architecture,
 )
@@ -293,6 +295,16 @@ def _data_summary(cfg: Config, data, wide_eval) -> str:
     )
 
 
+def _recurrent_note(policy) -> str:
+    return (
+        f"note: model type {model_type(policy)!r} keeps a recurrent or convolution state beside attention: "
+        "its training forwards run each row's prompt in full (a state is not shared by repeating a "
+        "prompt's cache), the sampler prefills each prompt once per completion, multi-turn sessions "
+        "read each row's history again every turn, and a completion with holes is scored with its "
+        "attended tokens moved together (docs/models.md, hybrid models)."
+    )
+
+
 def _untested_note(policy) -> str:
     return (
         f"note: model type {getattr(policy.config, 'model_type', None)!r} is not among the architectures "
@@ -435,6 +447,8 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
     if not plan.fast_paths:
         console.print(_untested_note(policy))
+    if recurrent(policy):
+        console.print(_recurrent_note(policy))
     scorer = TokenLogprobs(
         policy,
         temperature=s.temperature,

@@ -30,22 +30,37 @@ TESTED_MODEL_TYPES = (
     "olmo2",
     "gpt2",
     "opt",
+    # hybrids of attention and a recurrent or convolution state (RECURRENT_MODEL_TYPES)
+    "qwen3_5_text",
+    "lfm2",
+    "granitemoehybrid",
 )
 
 
 # Model types whose layers carry a recurrent or convolution state beside (or instead of) attention:
-# Gated DeltaNet (Qwen3.5, Qwen3-Next), LFM2's short convolutions, Mamba and its hybrids. The
-# built-in sampler's cache is attention's (a DynamicCache repeated across a group and fed pads after
-# a row ends), not theirs: until it uses the cache such a model builds for itself (issue #61), the
-# built-in sampler refuses them in one paragraph (recurrent_model_problem) rather than failing
-# inside transformers' cache code.
+# Gated DeltaNet (Qwen3.5, Qwen3-Next), LFM2's short convolutions, Mamba and its hybrids. Such a
+# state cannot be shared by repeating a prompt's cache, and a token fed to it (a pad after a row
+# ended, a hole) changes it where attention's mask would hide the token. So, for these types
+# (recurrent(), read once where each path is chosen):
+# - the sampler's prefill lets the model build its own cache (DynamicCache of its config: conv and
+#   recurrent states beside the keys and values) and runs each prompt G times instead of repeating
+#   the cache (samplers/_primitives._prefilled);
+# - the built-in sampler's multi-turn session reads each row's history again every turn (Reprefill)
+#   instead of continuing a cache that was fed pads after a row ended;
+# - training forwards run full rows (no shared-prompt cache: prompt_runs_once) and move a row's
+#   attended completion tokens together when the row has holes (logprobs.forward._compacted).
+# Left padding at a sequence's start is exact for them (their layers zero the padded inputs, and a
+# zero state fed zeros stays zero): length buckets and token budgets keep working (tested in
+# float64, tests/test_architectures.py).
 RECURRENT_MODEL_TYPES = (
     "qwen3_5",
     "qwen3_5_text",
     "qwen3_5_moe",
+    "qwen3_5_moe_text",
     "qwen3_next",
     "lfm2",
     "lfm2_moe",
+    "lfm2_vl",
     "granitemoehybrid",
     "falcon_h1",
     "bamba",
@@ -59,26 +74,22 @@ RECURRENT_MODEL_TYPES = (
 )
 
 
-def recurrent_model_problem(model_type: str | None, name: str) -> str | None:
-    """The built-in sampler's refusal of a model with recurrent or convolution layers (None for
-    any other model type), one paragraph naming the model and what to do instead."""
-    if model_type not in RECURRENT_MODEL_TYPES:
-        return None
-    return (
-        f"model.name_or_path={name!r} is a {model_type!r} model, whose layers keep a recurrent or "
-        "convolution state (linear attention, Mamba or short convolutions) beside attention; the "
-        "built-in sampler builds an attention cache only and cannot generate with it yet (hybrid "
-        "models are planned: issue #61). Train an attention-only model (the presets smollm2-135m, "
-        "qwen0.5b, qwen1.5b, or a Llama, Qwen2/Qwen3, Mistral, Gemma, Phi-3 or OLMo 2 checkpoint); "
-        "sampler=vllm builds these models' caches itself, but grpo-cli has not tested it on them."
-    )
+def model_type(model) -> str | None:
+    """The model's config.model_type (a PEFT wrapper's base model's; None for a bare module)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def recurrent(model) -> bool:
+    """Whether the model's layers keep a recurrent or convolution state (RECURRENT_MODEL_TYPES)."""
+    return model_type(model) in RECURRENT_MODEL_TYPES
 
 
 def tested_architecture(model) -> bool:
     """Whether the model's type is in the tested matrix: then the fast paths (the shared-prompt
     KV cache in the training forward, the CPU decode's W @ x^T layers) are used; otherwise the
     plain ones, with the step-0 self-check as the guard."""
-    return getattr(model.config, "model_type", None) in TESTED_MODEL_TYPES
+    return model_type(model) in TESTED_MODEL_TYPES
 
 
 def cache_dir() -> Path:

@@ -334,3 +334,28 @@ def scored_rows(rollout, totals, per_reward=None):
         applies=torch.ones(len(totals), dtype=torch.bool),
         prompt_index=torch.arange(len(totals) // G).repeat_interleave(G),
     )
+
+
+_FLOAT64_KERNELS: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def float64_kernels(monkeypatch):
+    """transformers' Gated DeltaNet kernels (Qwen3.5) compute in float32 whatever the model's dtype:
+    in tests they compute in the model's dtype (the same for an fp32 model), so a float64 model is
+    float64 throughout (their other float32 casts are per token, the same whatever else shares the
+    batch) and the float64 equalities hold to summation order."""
+    if "transformers" not in sys.modules:  # (a test file that imports it imports it first)
+        return
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as module
+    except ImportError:  # (transformers 4.57 has no qwen3_5)
+        return
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        if name not in _FLOAT64_KERNELS:
+            source = inspect.getsource(getattr(module, name))
+            assert source.count("to(torch.float32,") == 1, name  # (the one cast this rewrites)
+            namespace = dict(vars(module))
+            exec(source.replace("to(torch.float32,", "to(initial_dtype,"), namespace)
+            _FLOAT64_KERNELS[name] = namespace[name]
+        monkeypatch.setattr(module, name, _FLOAT64_KERNELS[name])

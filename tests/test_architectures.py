@@ -2,7 +2,9 @@
 classes, one per family users train (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
 Mistral and Gemma 2/3 with a sliding window shorter than the sequences, Gemma 2's logit
 soft-capping, Phi-3's partial rotary, OLMo 2's norms, GPT-2, and OPT, which ignores
-`logits_to_keep`). For each: the training log-probs (the shared-prompt KV-cache path and the
+`logits_to_keep`), and three hybrids whose layers keep a recurrent or convolution state beside
+attention (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0's Mamba-2 layers).
+For each: the training log-probs (the shared-prompt KV-cache path and the
 plain one) equal a textbook full-sequence forward, their gradients too, greedy decoding through
 the rollout equals `generate()`, and a 2-step grpo-train run passes the step-0 self-check.
 """
@@ -56,6 +58,64 @@ ARCHS = {
         )
     ),
 }
+# The hybrids (models.RECURRENT_MODEL_TYPES): small heads, and layer kinds in the order their
+# checkpoints mix them (attention after the recurrent layers it follows).
+HYBRIDS = {
+    "qwen3_5": lambda: tf.Qwen3_5ForCausalLM(
+        tf.Qwen3_5TextConfig(
+            **DECODER | dict(num_hidden_layers=4),
+            head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+        )
+    ),
+    "lfm2": lambda: tf.Lfm2ForCausalLM(
+        tf.Lfm2Config(**DECODER | dict(num_hidden_layers=4), layer_types=["conv", "full_attention"] * 2)
+    ),
+    "granitemoehybrid": lambda: tf.GraniteMoeHybridForCausalLM(
+        tf.GraniteMoeHybridConfig(
+            **DECODER | dict(num_hidden_layers=3),
+            layer_types=["mamba", "attention", "mamba"],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_expand=2,
+            mamba_d_conv=4,
+            shared_intermediate_size=64,
+            num_local_experts=0,
+        )
+    ),
+}
+# What each hybrid needs of transformers (the oldest supported release, 4.57, lacks some).
+HYBRID_CLASSES = {
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+}
+ARCHS.update(HYBRIDS)
+
+
+def _available(name: str) -> bool:
+    return name not in HYBRID_CLASSES or hasattr(tf, HYBRID_CLASSES[name])
+
+
+def archs(names=None) -> list:
+    """The matrix's names as test parameters, a hybrid this transformers release lacks skipped."""
+    return [
+        pytest.param(
+            n,
+            marks=pytest.mark.skipif(
+                not _available(n), reason=f"transformers {tf.__version__} has no {HYBRID_CLASSES.get(n)}"
+            ),
+        )
+        for n in names or ARCHS
+    ]
+
+
 G = 3
 PROMPT_LENGTHS = (5, 11)  # left padding
 COMPLETION_LENGTHS = (4, 9, 1, 13, 6, 2)  # 2 groups of G, right padding; prompt + completion > window 8
@@ -99,7 +159,7 @@ def reference(model, prompt: list[int], completion: list[int], temperature: floa
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "plain"])
 @pytest.mark.parametrize("temperature", [0.7, 2.0])
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_training_logprobs_equal_a_full_sequence_forward(name, temperature, shared):
     model = build(name).eval()
     rows, completions, tensors = batch(shared)
@@ -114,7 +174,7 @@ def test_training_logprobs_equal_a_full_sequence_forward(name, temperature, shar
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "plain"])
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_training_logprob_gradients_equal_a_full_sequence_forward(name, shared):
     """The shared-prompt path sends gradients back through the prompt's KV cache, and both paths
     divide the logits by the temperature in place: the same gradients as every row's own full
@@ -141,7 +201,7 @@ def test_training_logprob_gradients_equal_a_full_sequence_forward(name, shared):
         assert float((a - b).norm()) <= 1e-4 * max(float(b.norm()), floor), pname
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_greedy_rollout_equals_generate(name):
     """The decode loop (its own KV cache, the CPU W @ x^T layers, prompts of different lengths
     in one left-padded batch) picks generate()'s tokens."""
@@ -166,7 +226,7 @@ def test_greedy_rollout_equals_generate(name):
             assert out.completion_ids[row].tolist() == want.tolist(), (name, row)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_two_step_grpo_train_passes_the_self_check(name, compose, tmp_path, capsys):
     from grpo_cli.cli.train import train_config
 
@@ -199,7 +259,13 @@ def test_two_step_grpo_train_passes_the_self_check(name, compose, tmp_path, caps
 def test_the_matrix_is_the_list_of_tested_model_types():
     from grpo_cli.models import TESTED_MODEL_TYPES
 
-    assert sorted(build(name).config.model_type for name in ARCHS) == sorted(TESTED_MODEL_TYPES)
+    missing = {build_type for n, build_type in _HYBRID_TYPES.items() if not _available(n)}
+    assert sorted(build(name).config.model_type for name in ARCHS if _available(name)) == sorted(
+        set(TESTED_MODEL_TYPES) - missing
+    )
+
+
+_HYBRID_TYPES = {"qwen3_5": "qwen3_5_text", "lfm2": "lfm2", "granitemoehybrid": "granitemoehybrid"}
 
 
 def test_an_untested_model_type_trains_through_the_plain_paths_with_a_notice(

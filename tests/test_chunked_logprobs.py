@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_architectures import ARCHS, COMPLETION_LENGTHS, G, batch, build
+from test_architectures import COMPLETION_LENGTHS, HYBRIDS, G, archs, batch, build
 
 from grpo_cli.logprobs import ScoringOptions, chunkable, score_tokens
 
@@ -58,7 +58,7 @@ def _grads(model, tensors, chunk_size, weights, shared=True):
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "plain"])
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_chunked_logprobs_and_gradients_equal_the_whole_logits(name, shared):
     """Chunks of 5 tokens (several per row, a row split across chunks) against the model's whole
     logits: log-probs, entropies and every parameter's gradient to 1e-6 relative (fp32)."""
@@ -76,7 +76,7 @@ def test_chunked_logprobs_and_gradients_equal_the_whole_logits(name, shared):
 
 @pytest.mark.parametrize("chunk_size", [None, 0], ids=["chunked", "whole"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-prompt", "plain"])
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_length_buckets_give_the_same_scores_and_gradients(name, shared, chunk_size, monkeypatch):
     """Rows run in length buckets (trainer.micro_batch_tokens: ScoringOptions.length_buckets), here a
     bucket per length (4 passes over 6 rows, under the shared prompts' KV cache or as full rows),
@@ -328,7 +328,7 @@ def _entropy_grads(model, tensors, chunk_size, weights, shared=True):
     return scores, torch.autograd.grad(loss, params, allow_unused=True)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_the_entropys_gradient_chunked_equals_the_whole_logits(name):
     """The entropy bonus needs d H / d theta: chunks of 5 tokens against the whole logits, every
     parameter's gradient of log-probs and entropy together to 1e-6 relative (fp32)."""
@@ -411,7 +411,7 @@ def test_length_buckets_replay_truncation_and_keep_the_entropys_gradient(monkeyp
     _assert_same_grads([n for n, _ in model.named_parameters()], theirs, ours)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", archs())
 def test_a_prefix_every_prompt_shares_runs_once_with_the_same_scores_and_gradients(name, monkeypatch):
     """Under length buckets, the real tokens every prompt of a micro-batch begins with (a system
     prompt, tool instructions) run once for all its groups, each prompt's remainder after them at
@@ -447,7 +447,8 @@ def test_a_prefix_every_prompt_shares_runs_once_with_the_same_scores_and_gradien
         results.append((scores, torch.autograd.grad(loss, params, allow_unused=True)))
     (one, ours), (bucketed, theirs) = results
     # the prefix, once (not under a sliding window narrower than the rows: it measures cache columns)
-    assert ((1, len(prefix)) in calls) == (name not in ("mistral", "gemma2", "gemma3"))
+    # (not under a sliding window narrower than the rows, nor for the hybrids: no shared prompt)
+    assert ((1, len(prefix)) in calls) == (name not in ("mistral", "gemma2", "gemma3", *HYBRIDS))
     mask = c_mask.bool()
     torch.testing.assert_close(bucketed.logps[mask], one.logps[mask], **LOOSE)
     _assert_same_grads([n for n, _ in model.named_parameters()], theirs, ours)

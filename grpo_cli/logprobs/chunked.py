@@ -31,7 +31,16 @@ def chunk_tokens(chunk_size: int | None, vocab_size: int) -> int:
 
 class _HiddenOut(torch.nn.Module):
     """Stands in for the output layer during a chunked forward: the final hidden states pass
-    through (the model returns them where it returned logits)."""
+    through (the model returns them where it returned logits). Its `weight` is the real layer's
+    (not registered here): Mamba's forward casts the hidden states to lm_head.weight's dtype."""
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.__dict__["_head"] = head  # (outside _modules: not this module's parameters)
+
+    @property
+    def weight(self):
+        return self.__dict__["_head"].weight
 
     def forward(self, hidden):
         return hidden
@@ -66,7 +75,7 @@ def hidden_states_out(model):
     head = m.get_output_embeddings()
     config = _softcap_config(m)
     softcap = getattr(config, "final_logit_softcapping", None)
-    m.set_output_embeddings(_HiddenOut())
+    m.set_output_embeddings(_HiddenOut(head))
     if softcap:
         config.final_logit_softcapping = None
     try:

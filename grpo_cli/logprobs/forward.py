@@ -35,6 +35,11 @@ def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch
     - keywords the forward does not take are dropped (Bart-style decoders have neither
       position_ids nor logits_to_keep, nor **kwargs): such a model computes its own positions.
     """
+    return _run(model, logits_to_keep, kwargs)[0]
+
+
+def _run(model, logits_to_keep: int | None, kwargs: dict):
+    """model_logits' forward: (the logits, the output's cache: None when the model returned none)."""
     model = forward_model(model)
     if logits_to_keep is not None:
         kwargs["logits_to_keep"] = logits_to_keep
@@ -45,37 +50,69 @@ def model_logits(model, *, logits_to_keep: int | None = None, **kwargs) -> torch
         )  # its name since transformers 5.2x (the old one warns)
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
-    logits = model(**kwargs).logits  # [B, L, V], or [B, k, V] when the model honours logits_to_keep
+    out = model(**kwargs)
+    logits = out.logits  # [B, L, V], or [B, k, V] when the model honours logits_to_keep
     if logits_to_keep is not None and logits.shape[1] > logits_to_keep:
         logits = logits[:, -logits_to_keep:]  # [B, k, V]
-    return logits
+    cache = out.get("cache", None) if hasattr(out, "get") else None
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    return logits, cache
 
 
 def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     """Run each (left-padded) prompt [B, P] once into a fresh KV cache: (the cache, the logits
     [B, 1, V] of the last position, which score the first completion token). The training forward
-    and the sampler share prompts this way."""
+    and the sampler share prompts this way. A model with recurrent or convolution layers
+    (models.recurrent) builds its own cache (its states beside the keys and values): the one
+    its forward returns."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    logits = model_logits(
+    from grpo_cli.models import recurrent
+
+    if not recurrent(model):
+        cache = DynamicCache()  # (filled in place by the forward)
+        logits = model_logits(
+            model,
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=position_ids_from_mask(prompt_mask),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )  # [B, 1, V]
+        return cache, logits
+    logits, cache = _run(
         model,
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=position_ids_from_mask(prompt_mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
+        1,
+        dict(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=position_ids_from_mask(prompt_mask),
+            use_cache=True,
+        ),
     )  # [B, 1, V]
+    if cache is None:
+        from grpo_cli.errors import UserError
+
+        raise UserError(
+            f"model type {getattr(forward_model(model).config, 'model_type', None)!r}: its forward returned "
+            "no cache, which the built-in sampler's decode needs (the states of its recurrent or "
+            "convolution layers beside its attention's keys and values). Use a transformers release whose "
+            "class for it returns its own cache with use_cache=True, or sampler=vllm."
+        )
     return cache, logits
 
 
 def prompt_runs_once(model) -> bool:
-    """Whether a scoring forward of this model may run a group's prompt once and share its KV cache
-    (a checkpointed model recomputes its layers in the backward and keeps no cache: it runs full
-    rows). The one place this is decided: the forward below and the scoring plan
-    (packing.scoring_plan) read it."""
-    return not checkpointing(model)
+    """Whether a scoring forward of this model may run a group's prompt once and share its KV cache.
+    Not under checkpointing (the model recomputes its layers in the backward and keeps no cache),
+    nor for a model with recurrent or convolution layers (models.recurrent: their states are not
+    shared by repeating the cache): those run full rows. The one place this is decided: the forward
+    below and the scoring plan (packing.scoring_plan) read it."""
+    from grpo_cli.models import recurrent
+
+    return not checkpointing(model) and not recurrent(model)
 
 
 def checkpointing(model) -> bool:
@@ -133,6 +170,10 @@ def _forward_logits(
     G = group_size
     if B % G:
         raise ValueError(f"_forward_logits: {B} rows are not groups of num_generations={G}")
+    if has_holes(attention_mask) and _recurrent(model):
+        return _compacted(
+            model, prompt_ids, prompt_mask, completion_ids, attention_mask, G, temperature, buckets
+        )
     use_cache = G > 1 and prompt_runs_once(model)
     if buckets is not None and (len(buckets) > 1 or use_cache):
         return _tempered(
@@ -170,6 +211,34 @@ def _forward_logits(
         use_cache=True,
     )  # [B, C-1, V]
     return _tempered(torch.cat([first_logits, rest], dim=1), temperature)  # [B, C, V]
+
+
+def has_holes(attention_mask: torch.Tensor) -> bool:
+    """Whether some row's attended completion tokens [B, C] are not a prefix (a 0 before a 1)."""
+    m = attention_mask.bool()
+    return bool((m[:, 1:] & ~m[:, :-1]).any())
+
+
+def _recurrent(model) -> bool:
+    from grpo_cli.models import recurrent
+
+    return recurrent(model)
+
+
+def _compacted(model, prompt_ids, prompt_mask, completion_ids, attention_mask, G, temperature, buckets):
+    """_forward_logits for rows with holes on a model with recurrent or convolution layers: a hole is
+    hidden from attention by the mask, but a recurrent state still decays over it (its input is
+    zeroed, its decay is not), so each row's attended tokens are moved together first, scored as a
+    row without holes, and the results put back in their columns (a hole's column gets logits of
+    the row's padding: no trained token sits there). Positions count attended tokens
+    (ref 000.3), so for attention this is the same computation."""
+    order = torch.sort((attention_mask == 0).long(), dim=1, stable=True).indices  # [B, C]: attended first
+    ids, mask = completion_ids.gather(1, order), attention_mask.gather(1, order)  # [B, C]
+    if buckets is not None:  # (each row's length is its attended count now)
+        buckets = length_buckets(row_lengths(mask))
+    out = _forward_logits(model, prompt_ids, prompt_mask, ids, mask, G, temperature, buckets)  # [B, C, D]
+    back = torch.argsort(order, dim=1)  # [B, C]: where each column went
+    return out.gather(1, back.unsqueeze(-1).expand(-1, -1, out.shape[-1]))  # [B, C, D]
 
 
 def row_lengths(attention_mask: torch.Tensor) -> list[int]:

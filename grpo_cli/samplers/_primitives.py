@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_cli.logprobs import prefill
+from grpo_cli.models import recurrent
 from grpo_cli.rollout import left_pad
 
 
@@ -163,14 +164,21 @@ class _DecodeState:
 
 def _prefilled(model, prompts: list[list[int]], num_generations: int, pad_id: int):
     """Each prompt prefilled once into a KV cache that its G rows then share: (state, the rows'
-    prompt ids and mask [N, P])."""
+    prompt ids and mask [N, P]). A model with recurrent or convolution layers (models.recurrent)
+    prefills each prompt G times instead: the states its own cache keeps have no repeat."""
     device = next(model.parameters()).device
-    unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
-    cache, logits = prefill(model, unique_ids, unique_mask)  # [B, 1, V]
-    cache.batch_repeat_interleave(num_generations)
-    logits = logits[:, -1, :].repeat_interleave(num_generations, dim=0)  # [N, V]
-    prompt_ids = unique_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-    prompt_mask = unique_mask.repeat_interleave(num_generations, dim=0)
+    G = num_generations
+    if recurrent(model):
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(G)], pad_id, device)  # [N, P]
+        cache, logits = prefill(model, prompt_ids, prompt_mask)  # [N, 1, V]
+        logits = logits[:, -1, :]  # [N, V]
+    else:
+        unique_ids, unique_mask = left_pad(prompts, pad_id, device)  # [B, P]
+        cache, logits = prefill(model, unique_ids, unique_mask)  # [B, 1, V]
+        cache.batch_repeat_interleave(G)
+        logits = logits[:, -1, :].repeat_interleave(G, dim=0)  # [N, V]
+        prompt_ids = unique_ids.repeat_interleave(G, dim=0)  # [N, P]
+        prompt_mask = unique_mask.repeat_interleave(G, dim=0)
     N = prompt_ids.shape[0]
     state = _DecodeState(
         cache,

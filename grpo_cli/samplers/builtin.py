@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from grpo_cli.distributed import full_weights
-from grpo_cli.errors import UserError
 from grpo_cli.logprobs import filter_logits, model_logits
-from grpo_cli.models import recurrent_model_problem
+from grpo_cli.models import recurrent
 from grpo_cli.plugins import Plugin
 from grpo_cli.precision import Precision, autocast
 from grpo_cli.rollout import Rollout, single_turn
@@ -44,7 +43,7 @@ from grpo_cli.samplers._primitives import (  # noqa: F401
     left_pad,
     sampling_cdf,
 )
-from grpo_cli.samplers._session import Drawn, Turn
+from grpo_cli.samplers._session import Drawn, Reprefill, Turn
 
 # Its declared tolerance of |trainer - sampler| log-prob over valid tokens, (mean, max), per
 # precision: the step-0 self-check's bounds (ref 000.8). The sampler decodes with a KV cache and
@@ -60,10 +59,6 @@ def build(cfg, context) -> BuiltinSampler:
     """The sampler (its draws are seeded per request through generate's seeds, so context.seed
     is unused)."""
     c = context
-    model_type = getattr(getattr(c.policy, "config", None), "model_type", None)
-    problem = recurrent_model_problem(model_type, cfg_model_name(c.policy))
-    if problem:  # (check() said so before loading where config.json was at hand)
-        raise UserError(problem)
     return BuiltinSampler(
         cfg,
         c.policy,
@@ -75,24 +70,9 @@ def build(cfg, context) -> BuiltinSampler:
     )
 
 
-def cfg_model_name(policy) -> str:
-    """The policy's name as loaded (its config's _name_or_path), for a message."""
-    return str(getattr(getattr(policy, "config", None), "_name_or_path", "") or "?")
-
-
-def check(cfg) -> list[str]:
-    """Before any model loads: a model with recurrent or convolution layers (its config.json read
-    offline where at hand: shapes.model_type_offline) is refused in one paragraph."""
-    from grpo_cli.shapes import model_type_offline
-
-    name = cfg.model.name_or_path
-    problem = recurrent_model_problem(model_type_offline(name), name)
-    return [problem] if problem else []
-
-
 # It samples from the policy itself with the trainer's kernels: its draw is exact, so
 # loss.sampler_correction=auto needs no correction. It reads only the shared sampler keys.
-PLUGIN = Plugin(name="builtin", build=build, check=check, facts=Facts(exact_draw=True))
+PLUGIN = Plugin(name="builtin", build=build, facts=Facts(exact_draw=True))
 
 
 class BuiltinSampler:
@@ -167,9 +147,14 @@ class BuiltinSampler:
                 stopped=stopped,
             )
 
-    def session(self, prompts: list[list[int]], num_generations: int) -> Session:
+    def session(self, prompts: list[list[int]], num_generations: int) -> Session | Reprefill:
         """Sequences continued turn after turn with the KV cache kept across turns (an
-        environment's episodes): only the new tokens are fed, never the history again."""
+        environment's episodes): only the new tokens are fed, never the history again. A model with
+        recurrent or convolution layers (models.recurrent) reads each row's history again every turn
+        (Reprefill): its cache was fed pads after a row ended, and new tokens left-padded
+        mid-sequence, which its states would not forget as attention's mask does."""
+        if recurrent(self.policy):
+            return Reprefill(self, prompts, num_generations)
         return Session(self, prompts, num_generations)
 
     def _decoding(self, greedy: bool, ignore_eos: bool, stop: list[str] | None, device) -> Decoding:
