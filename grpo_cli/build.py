@@ -23,6 +23,7 @@ from grpo_cli.adapters import (
     load_lora,
     trainable_summary,
 )
+from grpo_cli.chat_template import with_template_kwargs
 from grpo_cli.config import Config, DataConfig
 from grpo_cli.data import (
     Example,
@@ -76,7 +77,8 @@ def read_data(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def build_tokenizer(cfg: Config, log) -> tuple[ModelSource, Any]:
-    """Where cfg.model's weights come from (printing the source) and its tokenizer."""
+    """Where cfg.model's weights come from (printing the source) and its tokenizer, carrying
+    model.chat_template_kwargs for every rendering of its chat template (chat_template.render)."""
     m = cfg.model
     source = resolve_source(
         m.name_or_path, m.gguf_file, offline_wheel=m.offline_wheel, offline_gguf=m.offline_gguf, log=log
@@ -88,7 +90,7 @@ def build_tokenizer(cfg: Config, log) -> tuple[ModelSource, Any]:
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
     )
-    return source, tokenizer
+    return source, with_template_kwargs(tokenizer, m.chat_template_kwargs)
 
 
 def read_wide_eval(cfg: Config) -> list[dict]:

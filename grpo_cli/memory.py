@@ -6,18 +6,20 @@ names are re-exported here), and the bytes of each way to train it (full fine-tu
 are added up the way the trainer stores them, from one record of the run's settings
 (`EstimateInputs`). The weights, gradients, optimizer and reference terms are exact for that
 storage; the activation and runtime terms are rough, set by the module constants below (calibrated
-against a measured peak, so each is used in exactly one place). Then the recommendation (the
-cheapest method that fits) and the advice for a run that ran out of memory.
+against a measured peak, so each is used in exactly one place). A hybrid model's other layers
+(Gated DeltaNet, short convolutions, Mamba-2: shapes.MixerShape) have their own activation terms
+and a fixed state per sequence in the sampler's cache instead of keys and values. Then the
+recommendation (the cheapest method that fits) and the advice for a run that ran out of memory.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from grpo_cli.shapes import ModelShape, lora_parameters
+from grpo_cli.shapes import GATED_DELTANET, MAMBA2, SHORT_CONV, MixerShape, ModelShape, lora_parameters
 
 # The model's shape from its config, re-exported (check_env, the tests and the scripts read them here).
 from grpo_cli.shapes import model_shape as model_shape
@@ -45,6 +47,44 @@ NF4_BYTES = 0.52
 # its attention mask, against the 11,904 counted here.
 C_H = 10
 C_I = 4
+# The other layers of hybrid models (shapes.MixerShape: Gated DeltaNet, LFM2's short convolution,
+# Mamba-2) keep, per token, the norms' tensors (C_NORM x hidden: each norm's input, its output and the
+# copy its projection saves) and the MLP's (C_I x intermediate), and their mixer's own (MIXER_TERMS),
+# counted from the tensors autograd saves in the mixers' reference PyTorch paths (transformers 5.24
+# without flash-linear-attention, causal-conv1d or mamba_ssm: a CPU's path; those kernels save less).
+# The scans compute in fp32 in any precision (the reference kernels cast their inputs), over rows
+# padded to whole chunks. Checked against saved-tensor hooks on small models of each kind, fp32 and
+# bf16 (tests/test_shapes_hybrid.py, within 10%), and once against peak RSS on 4-layer models of real
+# widths on the CPU (0.86-0.98 of it, docs/performance.md); not on full-size models nor on a GPU.
+C_NORM = 6
+# Multiples of a mixer's widths kept per token: (in the activation dtype, in fp32, in fp32 per padded
+# token of the scan). The widths: conv (the convolution's channels), heads, inner (the mixer's output
+# width), keys (heads x key_dim: Gated DeltaNet's keys repeated to its value heads, Mamba-2's B and C
+# repeated to its heads), matrices (heads x chunk: chunk-by-chunk matrices per head), in_proj.
+# - a short convolution: in_proj's three outputs (B, C, x), B * x, the convolution's output, C * it;
+# - Gated DeltaNet: the convolution's input and output, out_proj's input, the gated norm's tensors;
+#   q and k with their L2 norms, the gates; in the scan v, beta, the decays, five chunk-by-chunk
+#   matrices per head (the decays, the UT system, the intra-chunk attention), the chunked keys
+#   and values;
+# - Mamba-2: in_proj's whole output, the convolution's output and activation, dt, out_proj's input;
+#   y and the gated norm's tensors; in the scan x, B and C, three chunk-by-chunk matrices per head.
+MIXER_TERMS: dict[str, tuple[dict[str, int], dict[str, int], dict[str, int]]] = {
+    SHORT_CONV: (dict(inner=6), {}, {}),
+    GATED_DELTANET: (
+        dict(conv=2, heads=1, inner=3),
+        dict(keys=2, heads=5, inner=3),
+        dict(keys=8, heads=4, inner=3, matrices=5),
+    ),
+    MAMBA2: (
+        dict(in_proj=1, conv=2, heads=2, inner=1),
+        dict(inner=4),
+        dict(keys=4, heads=4, inner=5, matrices=3),
+    ),
+}
+# Recurrent states (fp32) a scan keeps per row: (per chunk, more): Gated DeltaNet's state entering
+# each chunk; Mamba-2's chunk states, twice, and its last.
+SCAN_STATES = {GATED_DELTANET: (1, 0), MAMBA2: (2, 1)}
+
 # Copies of the [rows, completion, vocab] fp32 logits alive at the loss: the logits (their
 # tempered log-softmax input) and their gradient. Measured (scripts/bench_memory_estimate.py,
 # Qwen2.5-0.5B shape at 8 x 256 and 8 x 512 completion tokens, fp32 and bf16): two copies put the
@@ -142,20 +182,22 @@ class EstimateInputs:
         return activation_bytes(self.precision)
 
 
-def prompts_per_micro_batch(trainer, sampler) -> int:
+def prompts_per_micro_batch(trainer, sampler, recurrent: bool = False) -> int:
     """The prompts (groups) of a step's largest micro-batch, for the estimate: prompts_per_step /
     gradient_accumulation_steps; with trainer.micro_batch_tokens (grpo_cli/packing.py), as many
     groups at their longest as the budget holds, at least one (a longer group runs alone): the
     scoring plan's group cost (ScoringPlan.group_cost: sampler.max_prompt_length once,
-    num_generations x max_new_tokens; G prompts under gradient checkpointing). Shorter groups pack
-    more rows into the same tokens: the tokens, the logits and the attention masks (rows x
-    completion x length) stay within this bound."""
+    num_generations x max_new_tokens; G prompts under gradient checkpointing, or for a model with
+    recurrent layers: ModelShape.recurrent). Shorter groups pack more rows into the same tokens: the
+    tokens, the logits and the attention masks (rows x completion x length) stay within this bound."""
     P = max(1, int(trainer.prompts_per_step))
     if trainer.micro_batch_tokens is None:
         return max(1, P // max(1, trainer.gradient_accumulation_steps))
     from grpo_cli.packing import scoring_plan  # (torch: only where a budget is set)
 
     plan = scoring_plan(trainer, fast_paths=True)  # (before any model loads: the tested paths)
+    if recurrent:  # (logprobs.forward.prompt_runs_once: every row runs in full)
+        plan = replace(plan, prompt_once=False)
     group = plan.group_cost(sampler.max_prompt_length, sampler.max_new_tokens, sampler.num_generations)
     return max(1, min(P, int(trainer.micro_batch_tokens) // group))
 
@@ -211,6 +253,28 @@ def _layer_activation_bytes_per_token(shape: ModelShape, act_bytes: int) -> int:
     return act_bytes * (C_H * shape.hidden_size + C_I * shape.intermediate_size)
 
 
+def mixer_layer_bytes(mixer: MixerShape, shape: ModelShape, act_bytes: int, rows: int, length: int) -> int:
+    """What one non-attention layer of `mixer`'s kind keeps for backward over `rows` full rows of
+    `length` tokens: the C_NORM / C_I model for its norms and MLP, MIXER_TERMS for its mixer, and
+    its scan's recurrent states."""
+    m, tokens = mixer, rows * length
+    widths = dict(
+        conv=m.conv_channels,
+        heads=m.heads,
+        inner=m.inner,
+        keys=m.heads * m.key_dim,
+        matrices=m.heads * m.chunk,
+        in_proj=m.in_proj,
+    )
+    act, fp32, scan = (sum(n * widths[w] for w, n in terms.items()) for terms in MIXER_TERMS[m.kind])
+    chunks = -(-length // m.chunk) if m.chunk else 0
+    padded = rows * chunks * m.chunk  # the scan runs each row in whole chunks
+    per_chunk, more = SCAN_STATES.get(m.kind, (0, 0))
+    states = rows * (per_chunk * chunks + more) * m.recurrent_state
+    common = C_NORM * shape.hidden_size + C_I * shape.intermediate_size
+    return act_bytes * tokens * (common + act) + FP32_BYTES * (tokens * fp32 + padded * scan + states)
+
+
 def _attention_mask_bytes(rows: int, queries: int, keys: int, act_bytes: int) -> int:
     """One layer's attention mask, kept for its backward. A padded batch (GRPO's completions end at
     different lengths) gets a boolean [rows, 1, queries, keys] mask, which torch's SDPA converts to
@@ -244,6 +308,9 @@ def training_activations(inputs: EstimateInputs) -> int:
     With gradient checkpointing the trainer runs every row in full
     (P*G*(prompt + completion) tokens: the shared prompt's cache would be recomputed per row), each
     layer keeps only its input (hidden per token) and one layer at a time is recomputed in full.
+    A model with recurrent or convolution layers (shape.recurrent) runs every row in full too (a
+    state is not shared by repeating a prompt's cache); its attention layers keep C_H / C_I and
+    the masks, its other layers what mixer_layer_bytes counts for their kind (no mask).
     """
     shape, act, rows = inputs.shape, inputs.act_bytes, inputs.rows
     P, prompt, completion = inputs.prompts_per_micro_batch, inputs.prompt_length, inputs.completion_length
@@ -252,23 +319,37 @@ def training_activations(inputs: EstimateInputs) -> int:
     # completion, prompt + completion] (or every full row's [rows, 1, length, length]).
     mask = _attention_mask_bytes(P, prompt, prompt, act)
     mask += _attention_mask_bytes(rows, completion, inputs.length, act)
-    if inputs.gradient_checkpointing:
+    if inputs.gradient_checkpointing or shape.recurrent:
         tokens = rows * inputs.length
         mask = _attention_mask_bytes(rows, inputs.length, inputs.length, act)
     full_layer = tokens * _layer_activation_bytes_per_token(shape, act) + mask
+    mixers = [(m.layers, mixer_layer_bytes(m, shape, act, rows, inputs.length)) for m in shape.mixers]
     if inputs.gradient_checkpointing:
-        layers = tokens * shape.num_layers * act * shape.hidden_size + full_layer
+        largest = max([full_layer] + [b for _, b in mixers])
+        layers = tokens * shape.num_layers * act * shape.hidden_size + largest
     else:
-        layers = shape.num_layers * full_layer
+        layers = shape.attention_layers * full_layer + sum(n * b for n, b in mixers)
     return layers + _logits_bytes(rows, completion, shape.vocab_size, inputs.logprob_chunk_size)
 
 
 def sampling_kv_cache(inputs: EstimateInputs) -> int:
-    """The sampler's KV cache at its longest: keys and values of every layer for every row sampled
-    at once (inputs.sampling_rows)."""
+    """The sampler's cache at its longest, for every row sampled at once (inputs.sampling_rows): the
+    keys and values of every attention layer for each token, and each other layer's fixed state per
+    row (recurrent_state_bytes)."""
     shape = inputs.shape
-    per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.num_layers * inputs.act_bytes
-    return inputs.sampling_rows * inputs.length * per_token
+    per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.attention_layers * inputs.act_bytes
+    return inputs.sampling_rows * (inputs.length * per_token + recurrent_state_bytes(shape, inputs.act_bytes))
+
+
+def recurrent_state_bytes(shape: ModelShape, act_bytes: int) -> int:
+    """One sequence's state in the non-attention layers, whatever its length (transformers'
+    LinearAttentionLayer caches): each convolution's last conv_kernel inputs per channel, in the
+    activation dtype, and each scan's recurrent state (heads x key_dim x value_dim), in fp32 as the
+    reference scans return it."""
+    return sum(
+        m.layers * (act_bytes * m.conv_channels * m.conv_kernel + FP32_BYTES * m.recurrent_state)
+        for m in shape.mixers
+    )
 
 
 def reward_model_terms(inputs: EstimateInputs) -> tuple[int, int]:

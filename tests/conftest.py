@@ -342,7 +342,7 @@ _FLOAT64_KERNELS: dict = {}
 @pytest.fixture(autouse=True)
 def float64_kernels(monkeypatch):
     """transformers' Gated DeltaNet kernels (Qwen3.5) compute in float32 whatever the model's dtype:
-    in tests they compute in the model's dtype (the same for an fp32 model), so a float64 model is
+    in tests they compute in float64 for a float64 model (in float32 for any other), so it is
     float64 throughout (their other float32 casts are per token, the same whatever else shares the
     batch) and the float64 equalities hold to summation order."""
     if "transformers" not in sys.modules:  # (a test file that imports it imports it first)
@@ -356,6 +356,7 @@ def float64_kernels(monkeypatch):
             source = inspect.getsource(getattr(module, name))
             assert source.count("to(torch.float32,") == 1, name  # (the one cast this rewrites)
             namespace = dict(vars(module))
-            exec(source.replace("to(torch.float32,", "to(initial_dtype,"), namespace)
+            wide = "to(torch.float64 if initial_dtype == torch.float64 else torch.float32,"
+            exec(source.replace("to(torch.float32,", wide), namespace)
             _FLOAT64_KERNELS[name] = namespace[name]
         monkeypatch.setattr(module, name, _FLOAT64_KERNELS[name])

@@ -160,9 +160,11 @@ def format_report(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
+def _settings(cfg: Any, info: dict[str, Any], recurrent: bool = False) -> dict[str, Any]:
     """What the estimate reads from the composed config: lengths, batch sizes, beta, the device
-    and the precision that grpo-train would use on it (`auto` resolved as it resolves it)."""
+    and the precision that grpo-train would use on it (`auto` resolved as it resolves it);
+    recurrent: the model has recurrent or convolution layers (a token budget's groups then run
+    every row in full)."""
     from grpo_cli import memory
 
     t, s = cfg.trainer, cfg.sampler
@@ -183,7 +185,7 @@ def _settings(cfg: Any, info: dict[str, Any]) -> dict[str, Any]:
         precision=precision,
         beta=float(cfg.loss.beta),
         prompts_per_step=int(t.prompts_per_step),
-        prompts_per_micro_batch=memory.prompts_per_micro_batch(t, s),
+        prompts_per_micro_batch=memory.prompts_per_micro_batch(t, s, recurrent),
         num_generations=int(s.num_generations),
         prompt_length=int(s.max_prompt_length),
         completion_length=int(s.max_new_tokens),
@@ -238,9 +240,9 @@ def memory_estimate(
     preset = memory.preset_source(model) is not None
     cfg = compose_config(overrides + ([f"model={model}"] if preset else []), check=False)
     name = str(cfg.model.name_or_path) if preset else model
-    settings = _settings(cfg, info)
-    lora_r = int(cfg.adapter.r) if lora_r is None else lora_r  # adapter.r (16) unless --lora-r says
     shape = memory.model_shape(memory.resolve_model_config(model))
+    settings = _settings(cfg, info, shape.recurrent)
+    lora_r = int(cfg.adapter.r) if lora_r is None else lora_r  # adapter.r (16) unless --lora-r says
     sampling = settings.pop("prompts_per_step")
     scorer = _reward_model(cfg)  # reward=model: its shape and batch, counted beside the policy
     if cfg.teacher.name_or_path:  # on-policy distillation: the teacher's weights beside the policy
@@ -296,6 +298,8 @@ def memory_estimate(
             "linear": shape.linear_params,
             "lora_adapters": memory.lora_parameters(shape, lora_r),
         },
+        # the decoder's layers by kind (attention, or a hybrid's gated_deltanet / short_conv / mamba2)
+        "layers": {"attention": shape.attention_layers, **{m.kind: m.layers for m in shape.mixers}},
         "methods": methods,
         "recommended": recommended,
     }
@@ -317,6 +321,9 @@ def format_estimate(est: dict[str, Any]) -> str:
         f"  parameters       {p['total']:,} total; LoRA r={s['lora_r']}: {p['lora_adapters']:,} adapter "
         f"parameters on {p['linear']:,} in linear layers",
     ]
+    if len(est.get("layers", {})) > 1:  # a hybrid: its other layers' activations and cache are their own
+        kinds = " + ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in est["layers"].items() if n)
+        lines.append(f"  layers           {kinds} (every row runs in full: no shared prompt)")
     reward_model = next(iter(est["methods"].values()))["reward_model"]
     if reward_model:
         lines.append(f"  reward model     {gib(reward_model)} GiB of weights, counted in weights and total")

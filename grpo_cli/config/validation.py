@@ -5,9 +5,10 @@ set that the chosen option ignores (`unused_settings`).
 `validate` collects the rules of each group from the module that reads it: samplers.check_sampling
 (and the chosen backend's validate), optim.check_optimizer, distributed.check_processes,
 environments.check_environment, trackers.check_report_to (W&B's credentials too), data.check_data,
-adapters.check_adapter, rewards.check_rewards. What stays here: every group's choices, counts and
-amounts; the loss group's bounds (grpo_cli.loss imports torch); the trainer's batch, device and resume;
-and the unused settings, which compare each group with its schema defaults."""
+chat_template.check_template_kwargs (model.chat_template_kwargs), adapters.check_adapter,
+rewards.check_rewards. What stays here: every group's choices, counts and amounts; the loss group's
+bounds (grpo_cli.loss imports torch); the trainer's batch, device and resume; and the unused
+settings, which compare each group with its schema defaults."""
 
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     when it is imported)."""
     from grpo_cli import adapters, data, distributed, environments, optim, samplers, trackers
     from grpo_cli.band import check_band
+    from grpo_cli.chat_template import check_template_kwargs
     from grpo_cli.sft import check_sft
 
     tr = cfg.trainer
@@ -137,6 +139,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     problems += data.check_data(cfg.data)
     if not str(cfg.model.name_or_path).strip():
         problems.append("model.name_or_path is empty; set a hub id, a local folder or builtin:tiny.")
+    problems += check_template_kwargs(cfg.model.chat_template_kwargs)
     problems += adapters.check_adapter(cfg.adapter, tr)
     problems += _validate_rewards(cfg.reward) if cfg.reward or not cfg.loss.teacher_kl else []
     problems += _teacher_problems(cfg)

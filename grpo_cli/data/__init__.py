@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_cli import plugins
+from grpo_cli.chat_template import render
 from grpo_cli.errors import UserError
 from grpo_cli.plugins import Plugin
 
@@ -156,8 +157,9 @@ def format_prompt(
     prompt: Any, tokenizer, *, system_prompt: str | None, use_chat_template: bool, tools: list | None = None
 ) -> str:
     """The text the model continues: the chat template when the tokenizer has one (and the
-    config allows), else the plain prompt. tools: JSON schemas the template renders (an
-    environment's native tool protocol)."""
+    config allows; rendered with the keyword arguments the tokenizer carries,
+    model.chat_template_kwargs: chat_template.render), else the plain prompt. tools: JSON schemas
+    the template renders (an environment's native tool protocol)."""
     is_chat = isinstance(prompt, list)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if is_chat and not has_template:
@@ -169,11 +171,7 @@ def format_prompt(
         messages = list(prompt) if is_chat else [{"role": "user", "content": str(prompt)}]
         if system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}] + messages
-        if tools:
-            return tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
-            )
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render(tokenizer, messages, tools=tools)
     return f"{system_prompt}\n\n{prompt}" if system_prompt else str(prompt)
 
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_cli import calls, plugins
+from grpo_cli.chat_template import render
 from grpo_cli.environments import styles
 from grpo_cli.errors import UserError
 
@@ -259,11 +260,10 @@ def tool_schema(fn: Callable) -> dict:
 
 
 def renders_tools(tokenizer, schemas: list[dict]) -> bool:
-    """Whether the tokenizer's chat template shows the tools it is given (TRL checks the same)."""
+    """Whether the tokenizer's chat template shows the tools it is given (TRL checks the same),
+    rendered as the episodes' prompts are (chat_template.render)."""
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tools=schemas, tokenize=False, add_generation_prompt=True
-        )
+        text = render(tokenizer, [{"role": "user", "content": "hi"}], tools=schemas)
     except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
         return False
     return all(s["function"]["name"] in text for s in schemas)

@@ -7,14 +7,16 @@ history: the episode's sequence is its tokens, concatenated (environments.episod
 
 from __future__ import annotations
 
+from grpo_cli.chat_template import render
 from grpo_cli.data import format_prompt
 from grpo_cli.environments import Reply
 from grpo_cli.errors import UserError
 
 
 class Rendering:
-    """tokenizer: the model's; eos_ids: its end-of-turn ids; data: config.DataConfig (the
-    prompt's system prompt), or None; describe: the environment, as its errors name it."""
+    """tokenizer: the model's (carrying model.chat_template_kwargs: chat_template.render);
+    eos_ids: its end-of-turn ids; data: config.DataConfig (the prompt's system prompt), or None;
+    describe: the environment, as its errors name it."""
 
     def __init__(self, tokenizer, eos_ids: list[int], *, data=None, describe: str = "environment"):
         self.tokenizer = tokenizer
@@ -31,9 +33,7 @@ class Rendering:
             eos_text = t.decode([min(self.eos_ids)]) if self.eos_ids else ""
             marker, answer = "\u2063CONTENT\u2063", "\u2063ANSWER\u2063"
             convo = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": answer}]
-            text = t.apply_chat_template(
-                convo + [{"role": role, "content": marker}], tokenize=False, add_generation_prompt=True
-            )
+            text = render(t, convo + [{"role": role, "content": marker}])
             # After the model's end of turn (its EOS, sampled): the template's text that follows it.
             # A template that ends a turn without the EOS token: the text after the answer.
             start, skip = text.find(answer + eos_text), len(answer) + len(eos_text)
