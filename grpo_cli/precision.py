@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     import torch
 
 PRECISIONS = ("auto", "fp32", "bf16", "bf16-autocast", "fp16")
+# trainer.frozen_precision: the frozen models' (the KL reference's, a teacher's) weights dtype.
+FROZEN_PRECISIONS = ("same", "bf16")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,18 @@ class Precision:
         import torch
 
         return self.weights_dtype or self.autocast_dtype or torch.float32
+
+
+def frozen_weights_dtype(precision: Precision, frozen_precision: str = "same") -> torch.dtype | None:
+    """The dtype a frozen model scored by the trainer (the KL reference, a teacher: frozen.py) is
+    stored in; None: as loaded (fp32). `same` follows the policy's weights (bf16 under
+    trainer.precision=bf16); `bf16` stores it in bf16 whatever the policy trains in, so that its
+    forward runs in bf16 (half its weights' memory; its log-probs are still returned in fp32)."""
+    import torch
+
+    if frozen_precision == "bf16":
+        return torch.bfloat16
+    return precision.weights_dtype
 
 
 def resolve_device(name: str) -> torch.device:

@@ -207,7 +207,11 @@ class LossConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
+    # adamw: torch's AdamW (fp32 moments); adamw_8bit: bitsandbytes' 8-bit AdamW state (CPU and
+    # CUDA); adamw_bf16_sr: under trainer.precision=bf16, the bf16 weights stepped directly with
+    # stochastic rounding (torchao), no fp32 master copy. Both libraries: pip install -e
+    # '.[memory-levers]' (docs/precision.md, "Memory levers").
+    name: str = "adamw"  # adamw | adamw_8bit | adamw_bf16_sr
     # 7.5e-6 for SmolLM2-135M on the default data over 64 steps (issue #20's sweep, README "The
     # default recipe"): 1.5e-5 learns the answer format by step 8 and then collapses the
     # policy's entropy (0.1 nats by step 24), so held-out accuracy stalls near 0.55; at half the
@@ -267,6 +271,10 @@ class TrainerConfig:
     eval_before: bool = True  # also evaluate before the first step, to print before -> after
     seed: int = 0
     precision: str = "auto"  # auto | fp32 | bf16 (bf16 weights, fp32 masters) | bf16-autocast | fp16
+    # The frozen models the trainer scores with (the KL reference, a teacher): same, stored as the
+    # policy's weights (fp32, or bf16 under precision=bf16); bf16, stored and run in bf16 while the
+    # policy trains in fp32 (half their memory; their log-probs are returned in fp32).
+    frozen_precision: str = "same"  # same | bf16
     gradient_checkpointing: bool = False
     # Log-probs from the final hidden states, N tokens' logits at a time (grpo_cli/logprobs/chunked.py: no
     # [B, C, V] logit tensor is ever alive); null (the default): auto, about 64 MiB of fp32 logits

@@ -38,7 +38,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from grpo_cli import adapters, distributed, environments, loss
     from grpo_cli.data import LONG_PROMPT_RULES
     from grpo_cli.optim import LR_SCHEDULERS, OPTIMIZERS
-    from grpo_cli.precision import PRECISIONS
+    from grpo_cli.precision import FROZEN_PRECISIONS, PRECISIONS
 
     return {
         "data.long_prompts": LONG_PROMPT_RULES,
@@ -56,6 +56,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "optimizer.name": OPTIMIZERS,
         "optimizer.lr_scheduler": LR_SCHEDULERS,
         "trainer.precision": PRECISIONS,
+        "trainer.frozen_precision": FROZEN_PRECISIONS,
         "adapter.name": adapters.ADAPTERS,
         "adapter.init": adapters.LORA_INITS,
         "adapter.quantization": adapters.QUANTIZATIONS,
@@ -126,7 +127,8 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     problems = _value_problems(cfg)
     problems += samplers.check_sampling(cfg.sampler)
     problems += loss_problems(cfg.loss)
-    problems += optim.check_optimizer(cfg.optimizer)
+    problems += optim.check_optimizer(cfg.optimizer, cfg)
+    problems += _frozen_precision_problems(tr)
     problems += distributed.check_processes(tr)
     problems += environments.check_environment(cfg.environment)
     W = distributed.planned_world_size(tr)
@@ -217,6 +219,49 @@ def _token_budget_problems(tr: Any, W: int) -> list[str]:
             f"prompts_per_step / processes prompts. Set it to a multiple of {W}."
         )
     return problems
+
+
+def _frozen_precision_problems(tr: Any) -> list[str]:
+    """trainer.frozen_precision=bf16 needs bf16 arithmetic, which fp16's GPUs lack."""
+    if tr.frozen_precision == "bf16" and tr.precision == "fp16":
+        return [
+            "trainer.frozen_precision=bf16 with trainer.precision=fp16: fp16 is for GPUs without bf16, "
+            "where a bf16 reference or teacher cannot run; set trainer.frozen_precision=same (they "
+            "then run under fp16 autocast as the policy does)."
+        ]
+    return []
+
+
+def _has_frozen_model(cfg: Any) -> bool:
+    """A frozen model of its own is loaded (frozen.py): a reference under full fine-tuning with
+    loss.beta > 0 (under LoRA the reference is the policy with its adapters disabled), or a teacher."""
+    return (cfg.loss.beta > 0 and cfg.adapter.name == "none") or bool(cfg.teacher.name_or_path)
+
+
+def _unused_frozen_precision(cfg: Any) -> list[str]:
+    """trainer.frozen_precision=bf16 where it changes nothing: no frozen model of its own is loaded,
+    or the policy's weights are bf16 already (trainer.precision=bf16)."""
+    tr = cfg.trainer
+    if tr.frozen_precision != "bf16":
+        return []
+    if not _has_frozen_model(cfg):
+        why = (
+            f"loss.beta={cfg.loss.beta} and adapter.name={cfg.adapter.name}: the reference is the policy "
+            "itself, with its adapters disabled, and there is no teacher"
+            if cfg.loss.beta > 0
+            else "loss.beta=0 (no reference) and no teacher"
+        )
+        return [
+            f"trainer.frozen_precision=bf16 is ignored here: it stores the frozen models (the KL reference, "
+            f"a teacher) in bf16, and this run loads none: {why}. Drop trainer.frozen_precision (or set "
+            "loss.beta > 0 under adapter=none, or a teacher)."
+        ]
+    if tr.precision == "bf16":
+        return [
+            "trainer.frozen_precision=bf16 is ignored with trainer.precision=bf16: the reference and the "
+            "teacher are stored in bf16 already (as the policy's weights); drop trainer.frozen_precision."
+        ]
+    return []
 
 
 def _teacher_problems(cfg: Any) -> list[str]:
@@ -399,6 +444,7 @@ def unused_settings(cfg: Any) -> list[str]:
             "the forward and backward; it applies to loss.zero_std=mask, otherwise drop it."
         )
     problems += _unused_environment(cfg.environment)
+    problems += _unused_frozen_precision(cfg)
     if cfg.sft.name == "none":
         for key, value in _changed(
             cfg.sft, SftConfig(), tuple(f.name for f in dataclasses.fields(SftConfig))[1:]
