@@ -25,49 +25,10 @@ if not hasattr(tf, "Qwen3_5ForCausalLM"):
 
 
 def tiny_configs():
-    """The three hybrid kinds, tiny (the issue's configs)."""
-    return {
-        "qwen3_5": tf.Qwen3_5TextConfig(
-            vocab_size=103,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-        ),
-        "lfm2": tf.Lfm2Config(
-            vocab_size=103,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            layer_types=["conv", "full_attention", "conv", "full_attention"],
-        ),
-        "granitemoehybrid": tf.GraniteMoeHybridConfig(
-            vocab_size=103,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            layer_types=["mamba", "attention", "mamba"],  # (transformers renames them linear/full_attention)
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_n_groups=1,
-            mamba_d_state=8,
-            mamba_expand=2,
-            mamba_d_conv=4,
-            shared_intermediate_size=64,
-            num_local_experts=0,
-        ),
-    }
+    """The three hybrid kinds, tiny: the architecture matrix's (tests/test_architectures.py)."""
+    from test_architectures import HYBRIDS
+
+    return {name: make().config for name, make in HYBRIDS.items()}
 
 
 def real_model(config):
