@@ -664,3 +664,235 @@ def test_grpo_train_runs_the_calculator_on_vllm(tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and all("env/turns" in r for r in rows)
     assert all(0 <= r["sampler/logp_diff_mean"] < 1e-3 for r in rows)
+
+
+# ----------------------------------------------------------------------------- LoRA: adapter-only sync (issue #61)
+
+# fp32, tiny32: the largest |adapter-served - trainer| and |adapter-served - merged| token log-prob
+# measured is 4.8e-7 (vLLM's LoRA kernels add (x A^T) B^T to the base output where the merge folds
+# B A into the weight: another order of float sums); the bound leaves ~20x room.
+LORA_FP32_TOL = 1e-5
+
+
+def _lora_policy(r: int = 8):
+    """tiny32 with fresh LoRA adapters on every linear layer, B made non-zero (a fresh adapter is
+    B = 0: the base model exactly, which would hide an adapter the engine drops)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.adapters import add_lora
+    from grpo_cli.config.schema import AdapterConfig
+    from grpo_cli.models import BUILTINS
+
+    base = AutoModelForCausalLM.from_pretrained(BUILTINS["tiny32"](), dtype=torch.float32)
+    model = add_lora(base, AdapterConfig(name="lora", r=r, alpha=2.0 * r))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _sha(tensors) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(tensors):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _engine_base_hash(sampler) -> str:
+    """The engine model's weights, hashed in the engine's process. vLLM's CPU backend moves each
+    linear weight into a oneDNN (or packed) matmul after loading and leaves the parameter empty:
+    those are read back through the layer's own matmul of the identity, exact in fp32. (vLLM's LoRA
+    layers keep the base layer under base_layer; the adapters' stacked tensors are not parameters.)"""
+
+    def weights(model):
+        out = [(n, p) for n, p in model.named_parameters() if p.numel()]
+        for name, m in model.named_modules():
+            w = m._parameters.get("weight")
+            if w is not None and w.numel() == 0 and hasattr(m, "cpu_linear"):
+                eye = torch.eye(m.input_size_per_partition, dtype=w.dtype)
+                out.append((f"{name}.weight", m.cpu_linear(eye, w, None)))
+        return _sha(out), len(out)
+
+    digest, count = sampler.llm.apply_model(weights)[0]
+    assert count > 10, count  # (tiny32: 2 layers x 4 linear weights, the embeddings, the norms)
+    return digest
+
+
+def _policy_base_hash(policy) -> str:
+    return _sha((n, p) for n, p in policy.named_parameters() if "lora_" not in n)
+
+
+def test_adapter_sync_serves_the_adapter_exactly_and_never_touches_the_base():
+    """sampler.lora_sync=adapter on tiny32 + LoRA r=8, fp32, one engine for every check (each start
+    costs ~20 s here): (1) the sampler's token log-probs with the adapter served as a LoRA request
+    equal the trainer's, and a merge-and-push of the same weights draws the same completions with
+    the same log-probs, within LORA_FP32_TOL; (2) the base weights in the engine hash the same
+    before and after an adapter sync, and the merge push leaves the policy's own base weights bit
+    for bit as they were; (3) after an optimizer step changes the adapter, the next generation uses
+    the new one (a new LoRA id and name, the old one dropped and its folder deleted; its log-probs
+    are the updated policy's, not the old one's). (vLLM 0.32's CPU build cannot score given
+    sequences under a LoRA request: prompt_logprobs fails in its LoRA logits layer, so the
+    sequences compared are drawn with the same seeds.)"""
+    import copy
+    from pathlib import Path
+
+    from grpo_cli.config.schema import SamplerConfig
+    from grpo_cli.samplers.vllm import VLLMSampler
+
+    def gap(model, r) -> float:
+        return float(((_trainer_logps(model, r) - r.sampler_logps).abs() * r.trained_mask).max())
+
+    policy = _lora_policy()
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=8, kv_cache_gib=0.25, lora_sync="adapter")
+    sampler = VLLMSampler(cfg, policy, eos_ids=[2], pad_id=0, precision=_precision(), seed=0)
+    try:
+        assert sampler.lora_sync == "adapter" and sampler._lora.lora_int_id == 1
+        first_dir = Path(sampler._lora_dir)
+        assert (first_dir / "adapter_model.safetensors").is_file()
+        engine_base = _engine_base_hash(sampler)
+        # (1) the sampler's log-probs are the LoRA policy's own, not the base model's
+        r = sampler.generate(PROMPTS, seeds=[1, 2, 3], num_generations=4)
+        assert gap(policy, r) < LORA_FP32_TOL, gap(policy, r)
+        with policy.disable_adapter():
+            assert gap(policy, r) > 1e-2
+
+        # (3) an optimizer step that changes the adapter, then the sync
+        model = copy.deepcopy(policy).train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        ids = torch.tensor([PROMPTS[0] + list(range(70, 78)), PROMPTS[0] + list(range(80, 88))])
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        model.eval()
+        sampler.sync(model)
+        assert sampler._lora.lora_int_id == 2 and sampler._lora.lora_name != "grpo-policy-1"
+        assert sampler.llm.llm_engine.list_loras() == {2} and not first_dir.exists()
+        second_dir = Path(sampler._lora_dir)
+        fresh = sampler.generate(PROMPTS, seeds=[4, 5, 6], num_generations=4)
+        assert gap(model, fresh) < LORA_FP32_TOL, gap(model, fresh)
+        assert gap(policy, fresh) > 1e-2  # (not the old adapter's)
+        # (2) the engine's base weights: never touched by an adapter sync
+        assert _engine_base_hash(sampler) == engine_base
+
+        # (1, 2) the same weights by a merge-and-push into the same engine, its adapter dropped
+        sampler._drop_adapter()
+        assert not second_dir.exists() and sampler.llm.llm_engine.list_loras() == set()
+        sampler.lora_sync = "merge"
+        base = _policy_base_hash(model)
+        sampler.sync(model)
+        assert _policy_base_hash(model) == base  # the merge is out of place: no drift
+        assert _engine_base_hash(sampler) != engine_base  # (the engine holds the merged weights)
+        merged = sampler.generate(PROMPTS, seeds=[4, 5, 6], num_generations=4)
+        assert torch.equal(merged.completion_ids, fresh.completion_ids)
+        diff = ((merged.sampler_logps - fresh.sampler_logps).abs() * fresh.trained_mask).max()
+        assert float(diff) < LORA_FP32_TOL, float(diff)
+        print(f"fp32 |adapter - trainer| {gap(model, fresh):.2e}, |adapter - merge| {float(diff):.2e}")
+    finally:
+        sampler.close()
+
+
+def test_training_run_with_lora_syncs_the_adapter_alone(tmp_path):
+    """grpo-train adapter=lora sampler=vllm sampler.lora_sync=adapter: the step-0 self-check
+    passes, and every step's sampler/trainer gap stays at float rounding while the adapter trains
+    (each step's new adapter reaches the engine)."""
+    run_dir = tmp_path / "run"
+    res = grpo(
+        [
+            *TINY32,
+            "adapter=lora",
+            "sampler.lora_sync=adapter",
+            "adapter.r=4",
+            "optimizer.learning_rate=0.02",
+            "trainer.max_steps=3",
+            "trainer.quiet=false",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "self-check ok" in res.stdout and "lora_sync=auto merges" not in out
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 <= r["sampler/logp_diff_mean"] < 1e-3 and r["grad_norm"] > 0 for r in rows), rows
+
+
+LORA_SYNC_CASES = [
+    (
+        ["sampler.lora_sync=both"],
+        "sampler.lora_sync='both' is not one of auto, adapter, merge",
+        "lora_sync=auto",
+    ),
+    (["sampler.lora_sync=adapter"], "adapter.name=none trains every weight", "adapter=lora"),
+    (["adapter=lora", "sampler.lora_sync=adapter", "adapter.r=1024"], "adapter.r=1024", "lora_sync=merge"),
+    (["adapter=qlora", "trainer.device=cuda"], "(QLoRA) is not offered", "no GPU was available to test"),
+]
+
+
+@pytest.mark.parametrize("overrides,bad,fix", LORA_SYNC_CASES, ids=[" ".join(c[0]) for c in LORA_SYNC_CASES])
+def test_lora_sync_values_are_checked_before_loading(compose, overrides, bad, fix):
+    """sampler.lora_sync's bad values, each one paragraph naming the value and the fix, from the
+    config's validation (before any model loads)."""
+    from grpo_cli.config.validation import validate
+
+    problems = [p for p in validate(compose(["sampler=vllm", *overrides])) if bad in p]
+    assert len(problems) == 1, validate(compose(["sampler=vllm", *overrides]))
+    assert fix in problems[0] and "\n" not in problems[0], problems[0]
+
+
+def test_auto_merges_what_vllm_cannot_serve_and_adapter_refuses_it():
+    """lora_sync_mode on adapters vLLM's LoRA does not implement (DoRA, modules_to_save, an
+    embedding target): auto merges, with the reason; adapter is one paragraph naming merge. A plain
+    LoRA adapter (rsLoRA too: vLLM scales it alike) is sent alone by auto on a GPU, merged by auto
+    on a CPU (with the reason); a full fine-tune has no mode, and lora_sync=adapter on it is
+    refused. The out-of-place merge folds the adapter in exactly as PEFT's in-place merge does
+    (fp32 and bf16, bit for bit), and falls back to it for DoRA."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.errors import UserError
+    from grpo_cli.models import BUILTINS
+    from grpo_cli.samplers.vllm import _merged, lora_sync_mode, merge_plan, named_weights
+
+    def peft(dtype=torch.float32, **kw):
+        base = AutoModelForCausalLM.from_pretrained(BUILTINS["tiny32"](), dtype=dtype)
+        config = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **kw}
+        model = get_peft_model(base, LoraConfig(**config))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        return model
+
+    for kw, reason in [
+        ({"use_dora": True}, "DoRA (use_dora)"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens, not a linear layer"),
+    ]:
+        model = peft(**kw)
+        mode, why = lora_sync_mode("auto", model)
+        assert mode == "merge" and reason in why, (kw, why)
+        with pytest.raises(UserError) as err:
+            lora_sync_mode("adapter", model)
+        assert reason in str(err.value) and "sampler.lora_sync=merge" in str(err.value)
+    assert merge_plan(peft(use_dora=True)) is None  # (PEFT's own in-place merge)
+    assert lora_sync_mode("auto", peft(use_rslora=True), "cuda") == ("adapter", None)
+    assert lora_sync_mode("adapter", peft(), "cpu") == ("adapter", None)
+    mode, why = lora_sync_mode("auto", peft(), "cpu")  # (vLLM's CPU LoRA kernels: slower rollouts)
+    assert mode == "merge" and "on a CPU" in why and "sampler.lora_sync=adapter" in why
+    assert lora_sync_mode("merge", peft()) == ("merge", None)
+    full = AutoModelForCausalLM.from_pretrained(BUILTINS["tiny32"](), dtype=torch.float32)
+    assert lora_sync_mode("auto", full) == (None, None)
+    with pytest.raises(UserError, match="adapter.name=none"):
+        lora_sync_mode("adapter", full)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = peft(dtype)
+        with torch.no_grad():
+            folded = {n: w.clone() for n, w in named_weights(model, merge_plan(model))}
+            with _merged(model):
+                in_place = {n: w.clone() for n, w in named_weights(model)}
+        assert folded.keys() == in_place.keys() and all(torch.equal(folded[n], in_place[n]) for n in folded)

@@ -131,7 +131,8 @@ class SamplerConfig:
     stall_timeout: Optional[float] = None
     # A LoRA policy's weights into the engine: adapter (the base weights once, then each step's
     # adapter alone as a LoRA request), merge (merged into the base weights, all of them pushed
-    # every step), auto (adapter where vLLM serves the adapter exactly, else merge; docs/vllm.md).
+    # every step), auto (adapter where vLLM serves the adapter exactly on a GPU; merge on a CPU, whose
+    # LoRA kernels cost the rollouts more than the push saves, and for adapters vLLM cannot serve; docs/vllm.md).
     lora_sync: str = "auto"
     # A backend plug-in's own options (grpo_cli/plugins.py), typed by its declaration; the
     # built-in backends read the flat keys above and take none.

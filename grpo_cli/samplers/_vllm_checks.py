@@ -8,6 +8,13 @@ from importlib.util import find_spec
 
 from grpo_cli.distributed import planned_world_size
 
+# sampler.lora_sync's values (docs/vllm.md): auto picks adapter where vLLM serves the adapter
+# exactly, merge otherwise.
+LORA_SYNCS = ("auto", "adapter", "merge")
+# The ranks vLLM 0.32's LoRA takes (its LoRAConfig.max_lora_rank accepts these alone): the
+# engine's bound is the smallest one at or above the adapter's r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 def install_command(device: str) -> str:
     """The command that makes an environment with vLLM for this device type and runs there."""
@@ -42,10 +49,13 @@ def check(cfg) -> list[str]:
         )
     if a.name != "none" and a.quantization != "none":
         problems.append(
-            f"sampler.backend=vllm with adapter.quantization={a.quantization}: the sampler merges the LoRA "
-            "adapters into the base weights to push them to the engine, which 4-bit base weights cannot "
-            "take; use adapter=lora (unquantized) or sampler=default."
+            f"sampler.backend=vllm with adapter.quantization={a.quantization} (QLoRA) is not offered: a merge "
+            "push needs unquantized base weights, and the adapter-only push that would leave the 4-bit base "
+            "in place (sampler.lora_sync=adapter) was not built for bitsandbytes, a GPU-only path that no "
+            "GPU was available to test. Use adapter=lora (unquantized) with sampler=vllm, or "
+            "sampler=default with QLoRA."
         )
+    problems += _lora_sync_problems(s, a)
     if not 0 < s.gpu_memory_utilization <= 1:
         problems.append(
             f"sampler.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1] (the engine's "
@@ -80,3 +90,31 @@ def check(cfg) -> list[str]:
             "(max_prompt_length + max_new_tokens) holds one turn only."
         )
     return problems
+
+
+def _lora_sync_problems(s, a) -> list[str]:
+    """sampler.lora_sync: a known value, and adapter only with a LoRA adapter vLLM can take."""
+    if s.lora_sync not in LORA_SYNCS:
+        return [
+            f"sampler.lora_sync={s.lora_sync!r} is not one of {', '.join(LORA_SYNCS)}: how a LoRA policy's "
+            "weights reach the vLLM engine after each update. auto (the default) sends the adapter alone where "
+            "vLLM serves it exactly and merges it otherwise; adapter always sends the adapter alone (the base "
+            "weights once, at the start); merge folds it into the base weights and pushes them all. Set "
+            "sampler.lora_sync=auto."
+        ]
+    if s.lora_sync != "adapter":
+        return []
+    if a.name == "none":
+        return [
+            "sampler.lora_sync=adapter sends the policy's LoRA adapter alone to the vLLM engine after each "
+            "update, but adapter.name=none trains every weight: there is no adapter to send. Train LoRA "
+            "adapters (adapter=lora), or drop sampler.lora_sync (auto: a full fine-tune pushes all its "
+            "weights either way)."
+        ]
+    if a.r > VLLM_LORA_RANKS[-1]:
+        return [
+            f"sampler.lora_sync=adapter with adapter.r={a.r}: vLLM's LoRA serves ranks up to "
+            f"{VLLM_LORA_RANKS[-1]}. Use adapter.r={VLLM_LORA_RANKS[-1]} or less, or sampler.lora_sync=merge "
+            "(or auto, which merges an adapter this large)."
+        ]
+    return []
