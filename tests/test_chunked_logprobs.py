@@ -61,8 +61,12 @@ def _grads(model, tensors, chunk_size, weights, shared=True):
 @pytest.mark.parametrize("name", archs())
 def test_chunked_logprobs_and_gradients_equal_the_whole_logits(name, shared):
     """Chunks of 5 tokens (several per row, a row split across chunks) against the model's whole
-    logits: log-probs, entropies and every parameter's gradient to 1e-6 relative (fp32)."""
+    logits: log-probs, entropies and every parameter's gradient to 1e-6 relative (fp32). The
+    hybrids run in float64: the head's gradient, equal to fp32 rounding, reaches their recurrent
+    layers, whose fp32 scans amplify the order of its sums (Qwen3.5's in_proj_a: 5e-6 of its
+    norm with two threads, within 1e-6 with one: not a property of the chunking)."""
     model = build(name).train()
+    model = model.double() if name in HYBRIDS else model
     assert chunkable(model), name
     _, _, tensors = batch(shared)
     weights = torch.linspace(-1.0, 1.0, tensors[2].shape[0])

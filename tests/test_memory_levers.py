@@ -199,6 +199,7 @@ def test_stochastic_rounding_lands_updates_that_rounding_to_nearest_loses(eager_
     assert bool((q == 1).all())
 
 
+@pytest.mark.slow  # (torch.compile: inductor may load its compiled kernel in a subprocess)
 @needs_torchao
 def test_bf16_stochastic_rounding_compiles_and_steps_on_this_device():
     """torchao's own path: the update compiled by torch.compile (one parameter shape: seconds)."""

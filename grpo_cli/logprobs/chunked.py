@@ -54,6 +54,12 @@ class OutputLayer(NamedTuple):
     softcap: float | None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self.head, "weight", None)
+        if isinstance(weight, torch.Tensor) and hidden.dtype != weight.dtype:
+            # Mamba's forward upcasts what its head returns to fp32 (its logits; here the hidden
+            # states): they go back to the head's dtype, as its own forward feeds the head. (Under
+            # autocast the head casts its input to bf16 anyway: bf16 -> fp32 -> bf16 is exact.)
+            hidden = hidden.to(weight.dtype)
         logits = self.head(hidden)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
