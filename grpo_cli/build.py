@@ -413,6 +413,26 @@ def _policy(cfg: Config, front: Front, fsdp: bool, console):
     return policy, masters
 
 
+def _fitted(cfg: Config, plan, state, parts, data, run_dir: Path, d: Dist, console):
+    """trainer.micro_batch_tokens=auto: the scoring plan with the budget kept in the run's state (a
+    resume), else with the one fit.fit_budget's probe chooses now (kept in the state, written to
+    memory_plan.json, printed). data: (the training examples, whether episodes run)."""
+    from grpo_cli.fit import FitPlan, fit_budget, resolved_plan
+
+    if state.fit is not None:
+        fit = FitPlan.from_dict(state.fit)
+        console.print(f"{fit.line()} (kept from the run's start)")
+    else:
+        fit = fit_budget(cfg, parts, plan, data[0], data[1], d, console.print)
+        state.fit = fit.as_dict()
+        console.print(fit.line())
+        if d.is_main:
+            import json
+
+            (run_dir / "memory_plan.json").write_text(json.dumps(fit.as_dict(), indent=1) + "\n")
+    return resolved_plan(plan, fit)
+
+
 def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:
     """Everything grpo-train needs: build_front's set-up (cheap checks first, then the tokenizer and
     the data), the run's length, then the models, the optimizer and the two roles. None when the
@@ -464,6 +484,22 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     )
     rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
     scorer = wrap_scorer(scorer, d, device)
+    if t.micro_batch_tokens == "auto":  # (after every model and the sampler: they hold memory too)
+        try:
+            parts = (policy, scorer, opt_step, precision, device)
+            plan = _fitted(
+                cfg,
+                plan,
+                state,
+                parts,
+                (front.data.train, rollouts.episodes is not None),
+                run_dir,
+                d,
+                console,
+            )
+        except BaseException:
+            rollouts.close()
+            raise
     learner = Learner(
         cfg,
         policy,

@@ -81,6 +81,9 @@ class TrainerState:
     # The learnable band (data.pass_rate_band): the indices of the training prompts it kept, None
     # before it ran (or without one).
     band: list[int] | None = None
+    # trainer.micro_batch_tokens=auto's plan (fit.FitPlan.as_dict), made before step 1: a resume
+    # reuses it rather than probing again.
+    fit: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -98,6 +101,7 @@ class TrainerState:
         state.warmed = data.get("warmed")
         band = data.get("band")
         state.band = None if band is None else [int(i) for i in band]
+        state.fit = data.get("fit")
         return state
 
     def rng_of(self, rank: int) -> dict[str, Any] | None:

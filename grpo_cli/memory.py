@@ -193,6 +193,8 @@ def prompts_per_micro_batch(trainer, sampler, recurrent: bool = False) -> int:
     P = max(1, int(trainer.prompts_per_step))
     if trainer.micro_batch_tokens is None:
         return max(1, P // max(1, trainer.gradient_accumulation_steps))
+    if trainer.micro_batch_tokens == "auto":  # (the smallest it can choose: one group; fit.py measures)
+        return 1
     from grpo_cli.packing import scoring_plan  # (torch: only where a budget is set)
 
     plan = scoring_plan(trainer, fast_paths=True)  # (before any model loads: the tested paths)

@@ -73,7 +73,8 @@ class ScoringPlan:
     length_buckets: a micro-batch's rows run in buckets of similar length (a token budget on a
       tested architecture; not under FSDP2, whose forwards are collectives every rank must run
       alike), in the training forward and the frozen models' (reference, teacher) alike.
-    token_budget: trainer.micro_batch_tokens (None: gradient_accumulation_steps equal splits).
+    token_budget: trainer.micro_batch_tokens (None: gradient_accumulation_steps equal splits);
+      auto's, the budget its probe chose (grpo_cli/fit.py).
     """
 
     fast_paths: bool = True
@@ -109,7 +110,7 @@ def scoring_plan(trainer, *, fast_paths: bool, policy=None, fsdp: bool = False) 
         shared_prompt=fast_paths,
         prompt_once=fast_paths and not checkpointed,
         length_buckets=budget is not None and fast_paths and not fsdp,
-        token_budget=budget,
+        token_budget=None if budget == "auto" else budget,  # (auto: set by the builder, grpo_cli/fit.py)
     )
 
 

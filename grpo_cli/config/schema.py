@@ -261,7 +261,13 @@ class TrainerConfig:
     # its completions, each micro-batch's rows run in buckets of similar length: the buckets'
     # padded tokens; a group over it runs alone). Replaces gradient_accumulation_steps's equal
     # split; the gradient is the same. null: off (one pass per micro-batch, rows at its width).
-    micro_batch_tokens: Optional[int] = None
+    # auto: the largest budget that fits trainer.memory_limit_gib, measured before step 1 by a
+    # probe of the run's largest micro-batch (grpo_cli/fit.py), printed, and kept for a resume.
+    micro_batch_tokens: Any = None  # null | a number of tokens | auto
+    # The peak memory trainer.micro_batch_tokens=auto plans for, in GiB (the process's peak
+    # resident set on a CPU, the allocator's peak on a GPU). null: what the process holds now plus
+    # 90% of the memory still free (a CPU: available RAM, within a container's limit).
+    memory_limit_gib: Optional[float] = None
     num_iterations: int = 1  # updates per rollout; 1 is on-policy
     # 64 steps x 4 prompts x 8 = 2048 sampled completions (issue #20's budget).
     max_steps: int = 64

@@ -175,6 +175,17 @@ def _micro_batch_problems(tr: Any, G: int, W: int) -> list[str]:
     """Micro-batches hold whole groups: the rows of one prompt's G completions stay together
     (ref 004: "batch size must be a multiple of num_generations"). With W processes each rank
     trains on prompts_per_step / W prompts in gradient_accumulation_steps micro-batches."""
+    limit = tr.memory_limit_gib
+    if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
+        return [
+            f"trainer.memory_limit_gib={limit:g} must be a positive number of GiB, e.g. 16, or null (the free memory)."
+        ]
+    if limit is not None and tr.micro_batch_tokens != "auto":
+        return [
+            f"trainer.memory_limit_gib={limit:g} is the limit trainer.micro_batch_tokens=auto plans for, but "
+            f"trainer.micro_batch_tokens={tr.micro_batch_tokens}. Set trainer.micro_batch_tokens=auto, or drop "
+            "trainer.memory_limit_gib."
+        ]
     if tr.micro_batch_tokens is not None:
         return _token_budget_problems(tr, W)
     P, A = tr.prompts_per_step, tr.gradient_accumulation_steps
@@ -201,11 +212,13 @@ def _micro_batch_problems(tr: Any, G: int, W: int) -> list[str]:
 def _token_budget_problems(tr: Any, W: int) -> list[str]:
     """trainer.micro_batch_tokens: a positive count that replaces gradient_accumulation_steps."""
     problems = []
-    if not (isinstance(tr.micro_batch_tokens, int) and tr.micro_batch_tokens >= 1):
+    budget = tr.micro_batch_tokens
+    if budget != "auto" and not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1):
         problems.append(
-            f"trainer.micro_batch_tokens={tr.micro_batch_tokens} must be a positive number of tokens: the "
+            f"trainer.micro_batch_tokens={budget} must be a positive number of tokens: the "
             "most one micro-batch's forward runs (each group's prompt once plus its completions, padding "
-            "included), e.g. 4096; or null to split the step by trainer.gradient_accumulation_steps."
+            "included), e.g. 4096; auto to have it measured for this device before step 1; or null to "
+            "split the step by trainer.gradient_accumulation_steps."
         )
     if tr.gradient_accumulation_steps != 1:
         problems.append(
