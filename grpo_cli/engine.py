@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli import guards, stages
+from grpo_cli import fit, guards, stages
 from grpo_cli import step as phases
 from grpo_cli.build import Parts
 from grpo_cli.config import Config
@@ -94,6 +94,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         points = stages.before_grpo(run, stop)
         for step in range(start_step + 1, parts.total_steps + 1):
             t0 = time.perf_counter()
+            fit.reset_peak(learner.device)  # (the step's peak memory: memory/peak_gib)
 
             # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal).
             sampled = rollouts.draw(step)
@@ -129,7 +130,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
 
             # 6. Metrics (TRL's names), eval, completions, health; a checkpoint every save_steps.
             report = UpdateReport(updated.stats, learner.opt_step.learning_rate, t0, phase)
-            row = step_row(step, stepped.batch, sampled, report) | stepped.entropy
+            row = step_row(step, stepped.batch, sampled, report) | stepped.entropy | run.memory(step)
             guards.record_step(state, step, updated.stats.faults, t)
             last_row = run.record(step, row, stepped.batch, sampled)
             if d.any(stop.requested) and step != parts.total_steps:  # (the last step finishes normally)
@@ -198,6 +199,7 @@ class _Run:
             mismatch_tolerance=parts.rollouts.sampler.tolerance[0],
         )
         self.resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
+        self._said_over_plan = False  # (memory: the step's peak over auto's plan, said once)
         group_by = cfg.data.eval_group_by
         self.eval_sets = [  # (metric prefix, examples, their values of data.eval_group_by), found once
             (prefix, examples, group_values(examples, group_by))
@@ -229,6 +231,27 @@ class _Run:
         else:
             log.advance(step)
         return row
+
+    def memory(self, step: int) -> dict[str, float]:
+        """The step's peak memory (memory/peak_gib: the process's peak resident set on a CPU, the
+        allocator's peak on CUDA). Where trainer.micro_batch_tokens=auto planned the run and the
+        step went over the plan's predicted peak, said once: the probe missed part of the step."""
+        peak = fit.peak_bytes(self.parts.learner.device)
+        if peak is None:
+            return {}
+        plan = self.parts.state.fit
+        if plan and peak > plan["predicted_peak_bytes"] and not self._said_over_plan:
+            self._said_over_plan = True
+            gib, smaller = 2**30, max(plan["group_tokens"], plan["budget"] // 2)
+            self.log.warn(
+                f"memory: step {step} peaked at {peak / gib:.2f} GiB, over the {plan['predicted_peak_bytes'] / gib:.2f} "
+                f"GiB that trainer.micro_batch_tokens=auto predicted for its budget {plan['budget']} (limit "
+                f"{plan['limit_bytes'] / gib:.2f} GiB): the probe did not see all of the step (its sampling, the "
+                "heap that freed tensors leave resident). If the run nears the device's memory, stop it and resume "
+                f"with a smaller budget pinned (trainer.micro_batch_tokens={smaller}) "
+                "or a lower trainer.memory_limit_gib."
+            )
+        return {"memory/peak_gib": peak / 2**30}
 
     def bad_weights(self) -> list[str]:
         """Parameters holding a NaN or an infinity, decided alike on every process (FSDP: each

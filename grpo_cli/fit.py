@@ -266,6 +266,27 @@ class PeakMeter:
             self.peak = max(self.peak, resident_bytes())
 
 
+def reset_peak(device: torch.device) -> None:
+    """Start a step's peak (peak_bytes): CUDA's allocator peak reset; a CPU's VmHWM set to the
+    resident set now (a no-op where /proc/self/clear_refs cannot be written)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    """The peak since reset_peak (the metric memory/peak_gib): CUDA's allocator peak reserved
+    bytes; a CPU's peak resident set (None where /proc has none)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    try:
+        return _status_kib("VmHWM") * 1024
+    except OSError:
+        return None
+
+
 def _trim() -> None:
     """glibc's free heap pages back to the system (a probe's peak then starts from what is held)."""
     with contextlib.suppress(Exception):

@@ -207,3 +207,26 @@ def test_a_group_that_cannot_fit_is_refused_before_step_1(compose, tmp_path):
     assert "over the limit" in text and "Nothing was trained" in text and "\n" not in text
     assert "trainer.gradient_checkpointing=true" in text and "optimizer=adamw_8bit" in text
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
+
+
+def test_each_step_logs_its_peak_and_a_step_over_the_plan_is_said_once(compose, tmp_path, monkeypatch, capsys):
+    """memory/peak_gib on every row (the process's peak resident set: a tiny run holds more than
+    50 MiB); with auto's probe made to read almost nothing, the real steps go over its prediction:
+    one warning naming the step, the prediction and a smaller budget to pin, said once."""
+    from grpo_cli.cli.train import train_config
+    from grpo_cli.summary import read_metrics
+
+    real = fit.probe_peak
+
+    def nearly_nothing(policy, scorer, opt_step, precision, rollout, device):
+        real(policy, scorer, opt_step, precision, rollout, device)
+        return 1000 + rollout.completion_ids.numel()
+
+    monkeypatch.setattr(fit, "probe_peak", nearly_nothing)
+    cfg = compose(tiny("data.eval_size=0", "trainer.max_steps=2", "trainer.micro_batch_tokens=auto"))
+    train_config(cfg, tmp_path)
+    rows = [r for r in read_metrics(tmp_path) if "reward" in r]
+    assert len(rows) == 2 and all(r["memory/peak_gib"] > 50 / 1024 for r in rows), rows
+    err = capsys.readouterr().err
+    assert err.count("memory: step") == 1 and "memory: step 1 peaked at" in err, err
+    assert "over the 0.00 GiB that trainer.micro_batch_tokens=auto predicted" in err
