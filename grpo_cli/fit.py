@@ -4,8 +4,9 @@ Before step 1 (`fit_budget`, called once by the builder, after every model and t
 built), the probe runs the training forward and backward of the largest micro-batch the run can
 produce: one group at its longest (the data's longest prompt, sampler.num_generations completions
 of the longest completion: sampler.max_new_tokens, or an environment's episode budget), on the real
-policy, precision, adapter and scorer. It runs twice, half the group's rows first, then the whole
-group, and reads each run's peak from the device (CUDA: the allocator's peak reserved bytes; a CPU:
+policy, precision, adapter and scorer, with the gradients a step's later micro-batches hold already
+allocated. It runs twice, half the group's rows first, then the whole group, and reads each run's
+peak from the device (CUDA: the allocator's peak reserved bytes; a CPU:
 the process's peak resident set, VmHWM, reset before each run through /proc/self/clear_refs). The
 probe changes no weight, leaves every gradient None and draws its tokens from its own generator
 with the global RNG states restored after it, so a run with `auto` equals, bit for bit, the run
@@ -353,10 +354,16 @@ def _probe_rollout(prompt: int, completion: int, rows: int, vocab: int, device):
 
 def probe_peak(policy, scorer, opt_step, precision, rollout, device) -> int:
     """The peak bytes of one training forward and backward of `rollout` (one micro-batch), under
-    the run's precision; every gradient None after it, the global RNG states as before."""
+    the run's precision, as a step's second and later micro-batches run it: with the optimizer's
+    gradients already held (they accumulate across a step's micro-batches; a probe that starts
+    without them peaks, on long rows, before its backward has made them, and measured 2.3-2.5 GiB
+    under the steps of the 0.5B shape at 256 new tokens). Every gradient None after it, the
+    global RNG states as before."""
     from grpo_cli.distributed import gradient_sync
     from grpo_cli.precision import autocast
 
+    for param in opt_step.params:  # (before the meter: resident, as in a step)
+        param.grad = torch.zeros_like(param)
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), PeakMeter(device) as meter:
         with gradient_sync(scorer, False), autocast(device, precision):

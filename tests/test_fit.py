@@ -209,7 +209,9 @@ def test_a_group_that_cannot_fit_is_refused_before_step_1(compose, tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
 
 
-def test_each_step_logs_its_peak_and_a_step_over_the_plan_is_said_once(compose, tmp_path, monkeypatch, capsys):
+def test_each_step_logs_its_peak_and_a_step_over_the_plan_is_said_once(
+    compose, tmp_path, monkeypatch, capsys
+):
     """memory/peak_gib on every row (the process's peak resident set: a tiny run holds more than
     50 MiB); with auto's probe made to read almost nothing, the real steps go over its prediction:
     one warning naming the step, the prediction and a smaller budget to pin, said once."""
@@ -230,3 +232,34 @@ def test_each_step_logs_its_peak_and_a_step_over_the_plan_is_said_once(compose, 
     err = capsys.readouterr().err
     assert err.count("memory: step") == 1 and "memory: step 1 peaked at" in err, err
     assert "over the 0.00 GiB that trainer.micro_batch_tokens=auto predicted" in err
+
+
+def test_the_probe_holds_a_later_micro_batchs_gradients_and_leaves_no_trace(tiny_model):
+    """probe_peak on the tiny model: the forward runs with every optimized parameter's gradient
+    already allocated (as in a step's second micro-batch: they accumulate), and afterwards every
+    gradient is None, every weight is bit for bit as before and the global RNG has not moved."""
+    from types import SimpleNamespace
+
+    from grpo_cli.logprobs import TokenLogprobs
+    from grpo_cli.precision import resolve_precision
+
+    cpu = torch.device("cpu")
+    model, _ = tiny_model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    opt_step = SimpleNamespace(params=params, masters=None, optimizer=torch.optim.SGD(params, lr=1.0))
+    real = TokenLogprobs(model, temperature=0.7, shared_prompt=True)
+    held = []
+
+    def scorer(*inputs, num_generations):
+        held.append(all(p.grad is not None for p in params))
+        return real(*inputs, num_generations=num_generations)
+
+    rollout = fit._probe_rollout(12, 20, 4, model.get_input_embeddings().weight.shape[0], cpu)
+    rng = torch.random.get_rng_state()
+    peak = fit.probe_peak(model, scorer, opt_step, resolve_precision("fp32", cpu), rollout, cpu)
+    assert held == [True] and peak > 0
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert torch.equal(torch.random.get_rng_state(), rng)
