@@ -541,7 +541,7 @@ def _episode_rows(run):
 
     from grpo_cli.samples import read_records
 
-    skip = ("time", "step_time", "tokens_per_second", "learning_rate")
+    skip = ("time", "step_time", "tokens_per_second", "learning_rate", "memory/")
     rows = [{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_metrics(run)]
     return rows, read_records(run)
 

@@ -20,7 +20,10 @@ TIMINGS = ("step_time", "tokens_per_second")
 
 def metrics_without_timings(path) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in row.items() if not k.startswith("time/") and k not in TIMINGS} for row in rows]
+    return [
+        {k: v for k, v in row.items() if not k.startswith(("time/", "memory/")) and k not in TIMINGS}
+        for row in rows
+    ]
 
 
 def run_golden(args: list[str], tmp_path, timeout: float = 600):

@@ -242,7 +242,15 @@ def test_grpo_eval_sets_up_as_grpo_train_does(monkeypatch):
     seeds, lines = [], []
     monkeypatch.setattr(build, "seed_everything", seeds.append)
     monkeypatch.setattr(build, "emulation_note", lambda precision, device: "note: emulated")
-    cfg = typed_config(["model=tiny", "data.eval_size=3", "sampler.max_new_tokens=2", "trainer.seed=7"])
+    cfg = typed_config(
+        [
+            "model=tiny",
+            "data.eval_size=3",
+            "sampler.max_new_tokens=2",
+            "trainer.seed=7",
+            "trainer.precision=fp32",
+        ]
+    )  # (auto is bf16 on a CPU with bf16 units)
     evaluate_model(cfg, samples=0, num_prompts=None, log=lines.append)
     assert seeds == [7]
     assert lines[0].startswith("[bold]grpo-eval[/] device=cpu precision=fp32 model: ")

@@ -733,7 +733,10 @@ def uninterrupted_lora(tmp_path_factory, tiny_folder) -> Path:
 
 
 def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("time/")} for r in rows]
+    return [
+        {k: v for k, v in r.items() if k not in TIMING and not k.startswith(("time/", "memory/"))}
+        for r in rows
+    ]
 
 
 @pytest.mark.parametrize(
