@@ -417,20 +417,20 @@ def _fitted(cfg: Config, plan, state, parts, data, run_dir: Path, d: Dist, conso
     """trainer.micro_batch_tokens=auto: the scoring plan with the budget kept in the run's state (a
     resume), else with the one fit.fit_budget's probe chooses now (kept in the state, written to
     memory_plan.json, printed). data: (the training examples, whether episodes run)."""
-    from grpo_cli.fit import FitPlan, fit_budget, resolved_plan
+    from grpo_cli.fit import FitPlan, fit_budget
 
     if state.fit is not None:
         fit = FitPlan.from_dict(state.fit)
         console.print(f"{fit.line()} (kept from the run's start)")
     else:
-        fit = fit_budget(cfg, parts, plan, data[0], data[1], d, console.print)
+        fit = fit_budget(cfg, parts, plan, data[0], data[1], d)
         state.fit = fit.as_dict()
         console.print(fit.line())
         if d.is_main:
             import json
 
             (run_dir / "memory_plan.json").write_text(json.dumps(fit.as_dict(), indent=1) + "\n")
-    return resolved_plan(plan, fit)
+    return dataclasses.replace(plan, token_budget=fit.budget)
 
 
 def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -> Parts | None:

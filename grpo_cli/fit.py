@@ -41,7 +41,7 @@ import gc
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -381,7 +381,7 @@ def probe_peak(policy, scorer, opt_step, precision, rollout, device) -> int:
     return meter.peak
 
 
-def fit_budget(cfg, learner_parts, plan, examples, multi_turn: bool, d, log) -> FitPlan:
+def fit_budget(cfg, learner_parts, plan, examples, multi_turn: bool, d) -> FitPlan:
     """trainer.micro_batch_tokens=auto's plan, probed now (the builder calls it once, before step
     1). learner_parts: (policy, scorer, opt_step, precision, device). Raises UserError (refusal)
     where one group cannot fit."""
@@ -460,8 +460,3 @@ def refusal(unfit: Unfit, cfg, lengths, plan, opt_step, policy, source: str) -> 
         + "; ".join(levers)
         + ". Or set trainer.memory_limit_gib higher if the device has more memory than that."
     )
-
-
-def resolved_plan(plan, fit: FitPlan):
-    """The scoring plan with auto's budget."""
-    return replace(plan, token_budget=fit.budget)

@@ -268,7 +268,7 @@ def adapter_sync_obstacle(policy) -> str | None:
         features.append(f"init_lora_weights={init!r}, which rewrites the base weights")
     if features:
         return f"it uses {', '.join(features)}, which vLLM 0.32's LoRA does not implement"
-    rank = max([config.r, *(getattr(config, "rank_pattern", None) or {}).values()])
+    rank = _adapter_rank(config)
     if rank > VLLM_LORA_RANKS[-1]:
         return f"its rank {rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}"
     base = _base_model(policy)
@@ -317,9 +317,13 @@ def adapted_layer_names(policy) -> list[str]:
 
 def lora_rank_bound(policy) -> int:
     """The engine's max_lora_rank: the smallest rank vLLM takes at or above the adapter's."""
-    config = policy.peft_config[policy.active_adapter]
-    rank = max([config.r, *(getattr(config, "rank_pattern", None) or {}).values()])
+    rank = _adapter_rank(policy.peft_config[policy.active_adapter])
     return next(k for k in VLLM_LORA_RANKS if k >= rank)
+
+
+def _adapter_rank(config) -> int:
+    """A PEFT LoRA config's largest rank (r, or a larger one in its rank_pattern)."""
+    return max([config.r, *(getattr(config, "rank_pattern", None) or {}).values()])
 
 
 def _adapter_root() -> str:
