@@ -413,6 +413,49 @@ def _policy(cfg: Config, front: Front, fsdp: bool, console):
     return policy, masters
 
 
+def _scoring(cfg: Config, policy, fsdp: bool, console):
+    """The step's scoring plan (packing.scoring_plan: decided once) and the policy's scorer, its
+    notes said (an untested architecture, recurrent layers)."""
+    t, s = cfg.trainer, cfg.sampler
+    plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
+    if not plan.fast_paths:
+        console.print(_untested_note(policy))
+    if recurrent(policy):
+        console.print(_recurrent_note(policy))
+    scorer = TokenLogprobs(
+        policy,
+        temperature=s.temperature,
+        shared_prompt=plan.shared_prompt,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        chunk_size=t.logprob_chunk_size,
+        entropy_grad=cfg.loss.entropy_coef != 0
+        or cfg.loss.use_adaptive_entropy,  # the entropy bonus needs the entropy's gradient
+        length_buckets=plan.length_buckets,
+    )
+    return plan, scorer
+
+
+def build_fit_probe(cfg: Config, console):
+    """grpo-check-env --fit's set-up: what a training step holds, built as grpo-train builds it on
+    one process (the data's longest prompt, the policy with its precision and adapter, the
+    reference, the teacher, the optimizer, the scorer), without a sampler and with nothing
+    resumed. Returns (the learner's parts as fit.fit_budget takes them, the scoring plan, the
+    training examples, whether episodes run)."""
+    from grpo_cli.environments import environment_factory
+
+    front = build_front(cfg, console.print, command="grpo-check-env --fit")
+    policy, masters = _policy(cfg, front, False, console)
+    ref = reference(cfg, policy, front.source, front.at, False, None)
+    teacher = teacher_model(cfg, teacher_source(cfg, front.tokenizer, console.print), front.at, False)
+    scaler = _grad_scaler(front.at.precision, front.at.device, ckpt.TrainerState())
+    opt_step = optimizer_step(cfg, policy, masters, scaler, 1, Dist())
+    plan, scorer = _scoring(cfg, policy, False, console)
+    parts = (policy, scorer, opt_step, front.at.precision, front.at.device)
+    multi_turn = environment_factory(cfg.environment) is not None
+    return parts, plan, front.data.train, multi_turn, (ref, teacher)
+
+
 def _fitted(cfg: Config, plan, state, parts, data, run_dir: Path, d: Dist, console):
     """trainer.micro_batch_tokens=auto: the scoring plan with the budget kept in the run's state (a
     resume), else with the one fit.fit_budget's probe chooses now (kept in the state, written to
@@ -437,7 +480,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     """Everything grpo-train needs: build_front's set-up (cheap checks first, then the tokenizer and
     the data), the run's length, then the models, the optimizer and the two roles. None when the
     checkpoint to resume already ends the run (nothing to do; said on stderr). `d`: this rank."""
-    t, s, d = cfg.trainer, cfg.sampler, d or Dist()
+    t, d = cfg.trainer, d or Dist()
     none_ok = bool(cfg.loss.teacher_kl)  # (a teacher alone: distillation)
     front = build_front(cfg, console.print, d, command="grpo-train", none_ok=none_ok, run_dir=run_dir)
     console.print(_data_summary(cfg, front.data, front.wide_eval))
@@ -466,22 +509,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     stream = PromptStream(train, seed=t.seed)
     if resume.loaded:  # (GRPO's optimizer and stream once GRPO has stepped; a warm-up's: stages.py)
         restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
-    plan = scoring_plan(t, fast_paths=tested_architecture(policy), policy=policy, fsdp=fsdp)
-    if not plan.fast_paths:
-        console.print(_untested_note(policy))
-    if recurrent(policy):
-        console.print(_recurrent_note(policy))
-    scorer = TokenLogprobs(
-        policy,
-        temperature=s.temperature,
-        shared_prompt=plan.shared_prompt,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        chunk_size=t.logprob_chunk_size,
-        entropy_grad=cfg.loss.entropy_coef != 0
-        or cfg.loss.use_adaptive_entropy,  # the entropy bonus needs the entropy's gradient
-        length_buckets=plan.length_buckets,
-    )
+    plan, scorer = _scoring(cfg, policy, fsdp, console)
     rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
     scorer = wrap_scorer(scorer, d, device)
     if t.micro_batch_tokens == "auto":  # (after every model and the sampler: they hold memory too)

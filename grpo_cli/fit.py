@@ -381,12 +381,22 @@ def probe_peak(policy, scorer, opt_step, precision, rollout, device) -> int:
     return meter.peak
 
 
-def fit_budget(cfg, learner_parts, plan, examples, multi_turn: bool, d) -> FitPlan:
-    """trainer.micro_batch_tokens=auto's plan, probed now (the builder calls it once, before step
-    1). learner_parts: (policy, scorer, opt_step, precision, device). Raises UserError (refusal)
-    where one group cannot fit."""
-    from grpo_cli.packing import GroupShape
+@dataclass(frozen=True)
+class Probed:
+    """What fit_budget's probes measured: the run's largest group, each probe's (tokens, peak
+    bytes), the resident bytes before them, the optimizer state the first update adds, the limit."""
 
+    lengths: tuple[int, int, int]  # (prompt tokens, completion tokens, rows) of the largest group
+    probes: tuple[tuple[int, int], ...]  # (tokens, peak bytes)
+    before_bytes: int
+    optimizer_bytes: int
+    limit_bytes: int
+    limit_source: str
+
+
+def probe(cfg, learner_parts, plan, examples, multi_turn: bool, d) -> Probed:
+    """The two probes of one group at its longest (G/2 rows, then G), on the learner's parts:
+    (policy, scorer, opt_step, precision, device). Every rank's peaks are the largest of any."""
     policy, scorer, opt_step, precision, device = learner_parts
     prompt, completion, G = longest_group(cfg, examples, multi_turn)
     vocab = int(policy.get_input_embeddings().weight.shape[0])
@@ -401,29 +411,129 @@ def fit_budget(cfg, learner_parts, plan, examples, multi_turn: bool, d) -> FitPl
     if d.enabled:  # (every rank plans with the largest peaks: one budget for all)
         peaks = d.max([float(p) for _, p in probes])
         probes = [(t, int(p)) for (t, _), p in zip(probes, peaks)]
+    opt_bytes = optimizer_state_bytes(opt_step, cfg.optimizer.name)
+    return Probed((prompt, completion, G), tuple(probes), before, opt_bytes, limit, source)
+
+
+def fit_budget(cfg, learner_parts, plan, examples, multi_turn: bool, d) -> FitPlan:
+    """trainer.micro_batch_tokens=auto's plan, probed now (the builder calls it once, before step
+    1). learner_parts: (policy, scorer, opt_step, precision, device). Raises UserError (refusal)
+    where one group cannot fit."""
+    from grpo_cli.packing import GroupShape
+
+    policy, _, opt_step, _, device = learner_parts
+    m = probe(cfg, learner_parts, plan, examples, multi_turn, d)
+    prompt, completion, G = m.lengths
     longest = GroupShape(prompt, completion, True, (completion,) * G)
     result = plan_budget(
-        probes,
-        before_bytes=before,
-        optimizer_bytes=optimizer_state_bytes(opt_step, cfg.optimizer.name),
-        limit_bytes=limit,
+        list(m.probes),
+        before_bytes=m.before_bytes,
+        optimizer_bytes=m.optimizer_bytes,
+        limit_bytes=m.limit_bytes,
         groups=max(1, cfg.trainer.prompts_per_step // max(1, d.world_size)),
         cost_of_groups=lambda k: plan.cost([longest] * k, G),
         device=device.type,
-        limit_source=source,
+        limit_source=m.limit_source,
     )
     if isinstance(result, Unfit):
-        raise UserError(refusal(result, cfg, (prompt, completion, G), plan, opt_step, policy, source))
+        raise UserError(refusal(result, cfg, m.lengths, plan, opt_step, policy, m.limit_source))
     return result
 
 
+def _largest(fixed: int, per_token: float, optimizer: int, limit: int, cost, cap: int = 1 << 20) -> int:
+    """The largest n in [1, cap] whose predicted peak, fixed + per_token * cost(n) + optimizer, is
+    within the limit (0: none); cost rises with n."""
+
+    def fits(n: int) -> bool:
+        return fixed + per_token * cost(n) + optimizer <= limit
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi) (or hi past the cap)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def _longest_that_fits(unfit: Unfit, cost) -> int:
-    """The largest n in [1, ...) with fixed + per_token * cost(n) + optimizer within the limit (0: none)."""
-    room = unfit.limit_bytes - unfit.optimizer_bytes - unfit.fixed_bytes
-    n = 0
-    while n < 1 << 20 and unfit.bytes_per_token * cost(n + 1) <= room:
-        n += 1
-    return n
+    """The largest n with fixed + per_token * cost(n) + optimizer within the limit (0: none)."""
+    return _largest(unfit.fixed_bytes, unfit.bytes_per_token, unfit.optimizer_bytes, unfit.limit_bytes, cost)
+
+
+# ----------------------------------------------------------------------------- grpo-check-env --fit
+
+
+@dataclass(frozen=True)
+class LeverFit:
+    """One row of grpo-check-env --fit: a lever's measured probes and what they let fit. The probes'
+    peaks are measured; the optimizer state is counted (it is allocated at the first update);
+    longest_completion and largest_group are solved from the line through the probes."""
+
+    lever: str  # "as configured", or what the lever is
+    overrides: tuple[str, ...]  # the settings that pull it (none: as configured)
+    lengths: tuple[int, int, int]  # (prompt tokens, completion tokens, rows) probed
+    probes: tuple[tuple[int, int], ...]  # (tokens, peak bytes): measured
+    optimizer_bytes: int  # counted
+    group_peak_bytes: int  # one group at the configured lengths: the largest probe + the optimizer state
+    limit_bytes: int
+    limit_source: str
+    longest_completion: int  # the longest max_new_tokens at num_generations rows that fits (0: none)
+    largest_group: int  # the largest num_generations at max_new_tokens that fits (0: none)
+
+    @property
+    def fits(self) -> bool:
+        return self.group_peak_bytes <= self.limit_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "fits": self.fits}
+
+
+def solve_fit(lever: str, overrides: tuple[str, ...], probed: Probed, group_cost) -> LeverFit:
+    """A lever's row from its probes: group_cost(prompt, completion, rows) is the scoring plan's
+    (ScoringPlan.group_cost). Solved on the line through the probes (linear in the tokens; the
+    attention mask's quadratic term and the allocator's slack are the margin's to cover)."""
+    prompt, completion, G = probed.lengths
+    fixed, per_token = _line(list(probed.probes), probed.before_bytes)
+    largest_peak = max(peak for _, peak in probed.probes)
+    args = (fixed, per_token, probed.optimizer_bytes, probed.limit_bytes)
+    return LeverFit(
+        lever=lever,
+        overrides=overrides,
+        lengths=probed.lengths,
+        probes=probed.probes,
+        optimizer_bytes=probed.optimizer_bytes,
+        group_peak_bytes=largest_peak + probed.optimizer_bytes,
+        limit_bytes=probed.limit_bytes,
+        limit_source=probed.limit_source,
+        longest_completion=_largest(*args, lambda c: group_cost(prompt, c, G)),
+        largest_group=_largest(*args, lambda g: group_cost(prompt, completion, g), cap=4096),
+    )
+
+
+def levers(cfg, precision_name: str, available: set[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """(lever, overrides) of each memory lever that applies to cfg, after the config as it is:
+    gradient checkpointing, 8-bit AdamW state (bitsandbytes), LoRA, the frozen models in bf16
+    beside an fp32 policy, and bf16 weights without fp32 masters stepped with stochastic rounding
+    (torchao; only where the run's precision is bf16, or auto picks it on this device).
+    precision_name: what trainer.precision resolves to here; available: the importable optional
+    libraries ("bitsandbytes", "torchao")."""
+    t, out = cfg.trainer, [("as configured", ())]
+    if not t.gradient_checkpointing:
+        out.append(("gradient checkpointing", ("trainer.gradient_checkpointing=true",)))
+    if cfg.optimizer.name == "adamw" and "bitsandbytes" in available:
+        out.append(("8-bit AdamW state", ("optimizer=adamw_8bit",)))
+    if cfg.adapter.name == "none":
+        out.append(("LoRA", ("adapter=lora",)))
+    frozen = bool(cfg.loss.beta) or bool(cfg.teacher.name_or_path)
+    if frozen and t.frozen_precision == "same" and precision_name == "fp32":
+        out.append(("frozen models in bf16", ("trainer.frozen_precision=bf16",)))
+    if precision_name == "bf16" and cfg.optimizer.name == "adamw" and "torchao" in available:
+        out.append(("bf16 without fp32 masters", ("trainer.precision=bf16", "optimizer.name=adamw_bf16_sr")))
+    return out
 
 
 def refusal(unfit: Unfit, cfg, lengths, plan, opt_step, policy, source: str) -> str:

@@ -34,6 +34,10 @@ FP32_BYTES = 4
 HALF_BYTES = 2  # bf16 / fp16
 # AdamW keeps two fp32 moments (exp_avg, exp_avg_sq) per trainable parameter.
 ADAMW_STATE_BYTES = 8
+# Bytes of optimizer state a trained weight, by optimizer.name: AdamW's two fp32 moments; 8-bit
+# AdamW's two 8-bit moments (bitsandbytes, blockwise: its per-block scales are under 1% more);
+# torchao's bf16 AdamW with stochastic rounding keeps its two moments in the weights' bf16.
+OPTIMIZER_STATE_BYTES = {"adamw": ADAMW_STATE_BYTES, "adamw_8bit": 2, "adamw_bf16_sr": 2 * HALF_BYTES}
 # bitsandbytes NF4 with double quantization: 4 bits per weight + an 8-bit absmax per block of 64
 # + an fp32 second-level scale per 256 blocks = 4.127 bits, about 0.52 bytes per weight.
 NF4_BYTES = 0.52
@@ -160,6 +164,8 @@ class EstimateInputs:
     reward_batch_size: int = 8
     reward_max_length: int = 1024
     teacher: ModelShape | None = None  # teacher.name_or_path (on-policy distillation): its shape
+    optimizer: str = "adamw"  # optimizer.name: adamw | adamw_8bit | adamw_bf16_sr (OPTIMIZER_STATE_BYTES)
+    frozen_precision: str = "same"  # trainer.frozen_precision: bf16 keeps the reference and teacher in bf16
 
     @property
     def rows(self) -> int:
@@ -374,11 +380,13 @@ def _weights_and_trainable(inputs: EstimateInputs) -> tuple[int, int, int]:
     docstring)."""
     shape, method, precision = inputs.shape, inputs.method, inputs.precision
     n = shape.total_params
+    reference = frozen_weight_bytes(inputs) * n if inputs.beta > 0 else 0
+    if method == "full" and precision == "bf16" and inputs.optimizer == "adamw_bf16_sr":
+        return HALF_BYTES * n, n, reference  # bf16 weights stepped directly: no fp32 masters
     if method == "full" and precision == "bf16":  # bf16 weights + their fp32 master copies
-        reference = HALF_BYTES * n if inputs.beta > 0 else 0
         return (HALF_BYTES + FP32_BYTES) * n, n, reference
     if method == "full":
-        return FP32_BYTES * n, n, (FP32_BYTES * n if inputs.beta > 0 else 0)
+        return FP32_BYTES * n, n, reference
     trainable = lora_parameters(shape, inputs.lora_r)
     if method == "lora":
         base = activation_bytes(precision) * n
@@ -395,6 +403,9 @@ def estimate(inputs: EstimateInputs) -> MemoryEstimate:
       AdamW's two fp32 moments (8); with beta > 0 the reference model is a second fp32 copy (4).
       precision bf16: bf16 weights plus their fp32 master copies (2 + 4), the gradients moved into
       fp32 (4; the bf16 ones are freed as they move), a bf16 reference (2).
+      The levers (issue #62): optimizer adamw_8bit keeps 2 B of state a weight, adamw_bf16_sr 4 (two
+      bf16 moments) and, under precision bf16, no fp32 masters and bf16 gradients (2 + 2);
+      frozen_precision bf16 keeps the reference (and teacher) in bf16 (2) beside an fp32 policy.
     lora: the frozen base in fp32 (4 B/param) with precision fp32, else in bf16/fp16 (2); the
       adapters (lora_parameters) train in fp32: 4 + 4 grads + 8 AdamW = 16 B each; the reference
       is the same model with its adapters disabled (0).
@@ -419,8 +430,8 @@ def estimate(inputs: EstimateInputs) -> MemoryEstimate:
     return MemoryEstimate(
         method=inputs.method,
         weights=weights,
-        gradients=FP32_BYTES * trainable,
-        optimizer=ADAMW_STATE_BYTES * trainable,
+        gradients=(HALF_BYTES if inputs.optimizer == "adamw_bf16_sr" else FP32_BYTES) * trainable,
+        optimizer=OPTIMIZER_STATE_BYTES.get(inputs.optimizer, ADAMW_STATE_BYTES) * trainable,
         reference=reference,
         activations=max(training + slack, sampling_kv_cache(inputs), scoring),
         runtime=_runtime_bytes(inputs.device_type),
@@ -430,12 +441,19 @@ def estimate(inputs: EstimateInputs) -> MemoryEstimate:
     )
 
 
+def frozen_weight_bytes(inputs: EstimateInputs) -> int:
+    """Bytes of one frozen model's weight (the reference's, the teacher's): bf16 under precision
+    bf16 or trainer.frozen_precision=bf16, else fp32."""
+    half = inputs.precision == "bf16" or inputs.frozen_precision == "bf16"
+    return HALF_BYTES if half else FP32_BYTES
+
+
 def teacher_bytes(inputs: EstimateInputs) -> int:
-    """The teacher's frozen weights: bf16 under precision bf16 (as the reference's), else fp32. Its
-    scoring forward runs without a graph, one micro-batch at a time, like the reference's."""
+    """The teacher's frozen weights (frozen_weight_bytes). Its scoring forward runs without a
+    graph, one micro-batch at a time, like the reference's."""
     if inputs.teacher is None:
         return 0
-    return (HALF_BYTES if inputs.precision == "bf16" else FP32_BYTES) * inputs.teacher.total_params
+    return frozen_weight_bytes(inputs) * inputs.teacher.total_params
 
 
 # --------------------------------------------------------------------------- the recommendation

@@ -63,6 +63,19 @@ VARIANTS = {
     # what is left of the step's peak beside the weights is then mostly the logits.
     "grpo-cli fp32 gc": ("grpo", {"precision": "fp32", "gc": True}),
     "grpo-cli fp32 whole-logits gc": ("grpo", {"precision": "fp32", "logprob_chunk_size": 0, "gc": True}),
+    # The memory levers (issue #62), each a config choice: 8-bit AdamW state (bitsandbytes), the
+    # reference kept in bf16 beside the fp32 policy, bf16 weights without fp32 masters stepped with
+    # stochastic rounding (torchao); the ones that keep the gradient exact, together.
+    "grpo-cli fp32 8bit": ("grpo", {"precision": "fp32", "overrides": ["optimizer=adamw_8bit"]}),
+    "grpo-cli fp32 gc 8bit": (
+        "grpo",
+        {"precision": "fp32", "gc": True, "overrides": ["optimizer=adamw_8bit"]},
+    ),
+    "grpo-cli fp32 frozen-bf16": (
+        "grpo",
+        {"precision": "fp32", "overrides": ["trainer.frozen_precision=bf16"]},
+    ),
+    "grpo-cli bf16 sr": ("grpo", {"precision": "bf16", "overrides": ["optimizer.name=adamw_bf16_sr"]}),
     "TRL fp32 defaults": ("trl", {"bf16": False, "gc": True}),
     "TRL fp32 tuned": ("trl", {"bf16": False, "gc": False}),
     "TRL bf16 defaults": ("trl", {"bf16": True, "gc": True}),
@@ -72,6 +85,7 @@ VARIANTS = {
 TRL_FP32, TRL_BF16 = ("TRL fp32 defaults", "TRL fp32 tuned"), ("TRL bf16 defaults", "TRL bf16 tuned")
 WHOLE_LOGITS = ("grpo-cli fp32 whole-logits", "grpo-cli bf16 whole-logits")
 CHECKPOINTED = ("grpo-cli fp32 gc", "grpo-cli fp32 whole-logits gc")
+LEVERS = ("grpo-cli fp32 8bit", "grpo-cli fp32 gc 8bit", "grpo-cli fp32 frozen-bf16", "grpo-cli bf16 sr")
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -164,6 +178,7 @@ def worker_grpo(spec: dict) -> None:
         "trainer.quiet=true",
         f"trainer.seed={spec['seed']}",
         f"hydra.run.dir={run_dir}",
+        *spec.get("overrides", []),
     ]
     try:
         train.main()
@@ -589,7 +604,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--variants",
-        default=",".join(n for n in VARIANTS if n not in TRL_BF16 + WHOLE_LOGITS + CHECKPOINTED),
+        default=",".join(n for n in VARIANTS if n not in TRL_BF16 + WHOLE_LOGITS + CHECKPOINTED + LEVERS),
         help="comma-separated variants (default: %(default)s)",
     )
     ap.add_argument(

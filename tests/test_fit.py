@@ -5,6 +5,7 @@ cannot fit is refused in one paragraph before step 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from grpo_cli.errors import UserError
 from grpo_cli.packing import GroupShape, micro_batch_cost
 
 MIB = 2**20
+GIB = 2**30
 
 
 def _cost(prompt: int, completion: int, G: int):
@@ -263,3 +265,121 @@ def test_the_probe_holds_a_later_micro_batchs_gradients_and_leaves_no_trace(tiny
     assert all(p.grad is None for p in params)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+# ----------------------------------------------------------------------------- grpo-check-env --fit
+
+
+@pytest.mark.parametrize(
+    "fixed, per_token, optimizer, limit, expected",
+    [
+        (1000, 10.0, 0, 2000, 100),  # cost(n) = n: 1000 + 10 n <= 2000
+        (1000, 10.0, 500, 2000, 50),  # the optimizer's state takes half the room
+        (1000, 10.0, 0, 1005, 0),  # not even one
+        (1000, 0.0, 0, 2000, 1 << 20),  # flat: the cap
+    ],
+)
+def test_largest_is_the_last_n_within_the_limit(fixed, per_token, optimizer, limit, expected):
+    assert fit._largest(fixed, per_token, optimizer, limit, lambda n: n) == expected
+
+
+def test_a_levers_row_is_solved_on_the_line_through_its_probes():
+    """Probes on a known line (1 GiB + 1 MiB a token): the longest completion and the largest group
+    are the last that fit under the limit on that line, the next ones are over it."""
+    prompt, completion, G = 20, 100, 8
+    cost = lambda p, c, g: p + c * g  # noqa: E731 (the prompt once, G completions)
+    probes = tuple((cost(prompt, completion, g), GIB + MIB * cost(prompt, completion, g)) for g in (4, 8))
+    probed = fit.Probed(
+        (prompt, completion, G), probes, GIB, 512 * MIB, 3 * GIB, "trainer.memory_limit_gib=3"
+    )
+    row = fit.solve_fit("as configured", (), probed, cost)
+    assert row.fits and row.group_peak_bytes == probes[-1][1] + 512 * MIB
+    room = 3 * GIB - GIB - 512 * MIB  # bytes left for the tokens: 1 MiB each
+    assert (
+        cost(prompt, row.longest_completion, G) * MIB
+        <= room
+        < cost(prompt, row.longest_completion + 1, G) * MIB
+    )
+    assert cost(prompt, completion, row.largest_group) * MIB <= room
+    assert cost(prompt, completion, row.largest_group + 1) * MIB > room
+    tight = fit.solve_fit("as configured", (), dataclasses.replace(probed, limit_bytes=GIB), cost)
+    assert not tight.fits and tight.longest_completion == 0 and tight.largest_group == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, precision, available, expected",
+    [
+        ([], "fp32", set(), ["as configured", "gradient checkpointing", "LoRA"]),
+        (
+            ["loss.beta=0.04"],
+            "fp32",
+            {"bitsandbytes", "torchao"},
+            ["as configured", "gradient checkpointing", "8-bit AdamW state", "LoRA", "frozen models in bf16"],
+        ),
+        (
+            ["loss.beta=0.04", "trainer.gradient_checkpointing=true", "adapter=lora"],
+            "bf16",
+            {"bitsandbytes", "torchao"},
+            ["as configured", "8-bit AdamW state", "bf16 without fp32 masters"],
+        ),
+        (
+            ["optimizer=adamw_8bit"],  # (8-bit state: neither the 8-bit nor the bf16 SR lever applies)
+            "bf16",
+            {"bitsandbytes", "torchao"},
+            ["as configured", "gradient checkpointing", "LoRA"],
+        ),
+    ],
+)
+def test_fit_measures_the_levers_that_apply(compose, overrides, precision, available, expected):
+    from grpo_cli.config import to_typed
+
+    cfg = to_typed(compose(["model=tiny", *overrides]))
+    assert [name for name, _ in fit.levers(cfg, precision, available)] == expected
+
+
+def test_check_env_fit_measures_each_lever_on_the_real_model(capsys):
+    """grpo-check-env --model tiny --fit: every lever that applies is built and probed on this device;
+    its peaks are measured, its optimizer state counted (8 bytes a trained weight for AdamW, less
+    for 8-bit state and for LoRA's adapters), and with room to spare the configured group fits and
+    the solved lengths reach past it. Under the resident set nothing fits."""
+    from grpo_cli.cli import check_env
+
+    overrides = [
+        "loss.beta=0.04",
+        "trainer.precision=fp32",
+        "sampler.max_new_tokens=8",
+        "sampler.num_generations=4",
+    ]
+    assert check_env.main(["--model", "tiny", "--fit", "--memory-gib", "64", "--json", *overrides]) == 0
+    report = json.loads(capsys.readouterr().out)["fit"]
+    rows = {r["lever"]: r for r in report["levers"]}
+    assert {"as configured", "gradient checkpointing", "LoRA", "frozen models in bf16"} <= set(rows)
+    base = rows["as configured"]
+    from grpo_cli.models import load_model, resolve_source
+
+    params = sum(
+        p.numel() for p in load_model(resolve_source("builtin:tiny"), device=torch.device("cpu")).parameters()
+    )
+    assert base["optimizer_bytes"] == 8 * params
+    assert 0 < rows["LoRA"]["optimizer_bytes"] < base["optimizer_bytes"] / 2  # (r=16 on a 0.08M model)
+    if "8-bit AdamW state" in rows:
+        assert 0 < rows["8-bit AdamW state"]["optimizer_bytes"] < base["optimizer_bytes"]
+    for r in rows.values():
+        assert r["lengths"][1:] == [8, 4] and len(r["probes"]) == 2
+        assert all(peak > 0 for _, peak in r["probes"])
+        assert r["group_peak_bytes"] == max(peak for _, peak in r["probes"]) + r["optimizer_bytes"]
+        assert r["fits"] and r["longest_completion"] >= 8 and r["largest_group"] >= 4
+    assert check_env.main(["--model", "tiny", "--fit", "--memory-gib", "0.01", *overrides]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("fit: tiny") :]
+    assert "limit 0.01 GiB (trainer.memory_limit_gib=0.01)" in table
+    lines = [line.split() for line in table.splitlines()[2:] if line.startswith("  as configured")]
+    assert lines and lines[0][-3:] == ["no", "0", "0"], table
+
+
+def test_check_env_fit_needs_a_model(capsys):
+    from grpo_cli.cli import check_env
+
+    with pytest.raises(SystemExit):
+        check_env.main(["--fit"])
+    assert "--fit measures a model" in capsys.readouterr().err

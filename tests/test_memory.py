@@ -417,3 +417,41 @@ def test_the_estimate_counts_vllms_cpu_engine():
     est = memory_estimate("qwen0.5b", ["sampler=vllm", "sampler.kv_cache_gib=2"], info, memory_gib=24)
     weights = 4 * memory.model_shape(memory.resolve_model_config("qwen0.5b")).total_params  # fp32
     assert est["sampler_share_bytes"] == 2 * 2**30 + weights
+
+
+@pytest.mark.parametrize(
+    "levers, weights, grads, optimizer, reference",
+    [
+        ({}, 4, 4, 8, 4),  # fp32 AdamW, an fp32 reference
+        ({"optimizer": "adamw_8bit"}, 4, 4, 2, 4),
+        ({"frozen_precision": "bf16"}, 4, 4, 8, 2),
+        ({"precision": "bf16"}, 6, 4, 8, 2),  # bf16 weights + fp32 masters
+        ({"precision": "bf16", "optimizer": "adamw_bf16_sr"}, 2, 2, 4, 2),  # no masters, bf16 moments
+    ],
+)
+def test_the_estimate_counts_each_memory_lever(levers, weights, grads, optimizer, reference):
+    """Bytes a parameter of full training under each lever (memory.estimate's docstring)."""
+    shape = memory.model_shape(memory.resolve_model_config("tiny"))
+    n = shape.total_params
+    e = memory.estimate(memory.EstimateInputs(shape, "full", beta=0.04, **levers))
+    assert (e.weights, e.gradients, e.optimizer, e.reference) == (
+        weights * n,
+        grads * n,
+        optimizer * n,
+        reference * n,
+    )
+
+
+def test_check_env_estimates_with_the_configured_levers(capsys):
+    args = ["--model", "tiny", "--memory-gib", "64", "--json"]
+    levers = [
+        "optimizer=adamw_8bit",
+        "trainer.frozen_precision=bf16",
+        "trainer.precision=fp32",
+        "loss.beta=0.04",
+    ]
+    assert check_env.main(args + levers) == 0
+    est = json.loads(capsys.readouterr().out)["memory_estimate"]
+    n = est["params"]["total"]
+    assert est["settings"]["optimizer"] == "adamw_8bit" and est["settings"]["frozen_precision"] == "bf16"
+    assert est["methods"]["full"]["optimizer"] == 2 * n and est["methods"]["full"]["reference"] == 2 * n

@@ -191,6 +191,8 @@ def _settings(cfg: Any, info: dict[str, Any], recurrent: bool = False) -> dict[s
         completion_length=int(s.max_new_tokens),
         gradient_checkpointing=bool(t.gradient_checkpointing),
         logprob_chunk_size=t.logprob_chunk_size,
+        optimizer=str(cfg.optimizer.name),
+        frozen_precision=str(t.frozen_precision),
     )
 
 
@@ -360,6 +362,100 @@ def format_estimate(est: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fit_report(model: str, overrides: list[str], *, memory_gib: float | None = None) -> dict[str, Any]:
+    """grpo-check-env --fit: the config as it is and each memory lever that applies to it
+    (fit.levers), each built as grpo-train builds it on this device (the model loaded once a lever)
+    and probed as trainer.micro_batch_tokens=auto probes (fit.probe: one group at the data's longest
+    prompt and sampler.max_new_tokens, G/2 rows then G). Per lever: the measured peaks, the optimizer
+    state counted, and, solved from the line through the probes, the longest completion and the
+    largest group that fit (fit.solve_fit). Progress and the builders' notes go to stderr."""
+    import gc
+    import importlib.util
+
+    from rich.console import Console
+
+    from grpo_cli import fit, memory
+    from grpo_cli.build import build_fit_probe
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.distributed import Dist
+    from grpo_cli.precision import resolve_device, resolve_precision
+
+    if memory_gib is not None and not memory_gib > 0:
+        raise UserError(f"--memory-gib {memory_gib:g} must be > 0 (the device's memory in GiB), e.g. 24.")
+    chosen = (
+        [f"model={model}"] if memory.preset_source(model) is not None else [f"model.name_or_path={model}"]
+    )
+    if memory_gib is not None:  # (the limit auto plans for: its key needs auto set)
+        chosen += ["trainer.micro_batch_tokens=auto", f"trainer.memory_limit_gib={memory_gib:g}"]
+    base = chosen + list(overrides)
+    cfg = typed_config(base)  # (every problem of the config said before any model loads)
+    device = resolve_device(cfg.trainer.device)
+    precision = resolve_precision(cfg.trainer.precision, device, adapted=cfg.adapter.name != "none").name
+    available = {m for m in ("bitsandbytes", "torchao") if importlib.util.find_spec(m) is not None}
+    console = Console(stderr=True)
+    rows = []
+    for lever, pulls in fit.levers(cfg, precision, available):
+        console.print(f"[bold]--fit[/]: {lever}{' (' + ' '.join(pulls) + ')' if pulls else ''}")
+        lever_cfg = typed_config(base + list(pulls))
+        parts, plan, examples, multi_turn, frozen = build_fit_probe(lever_cfg, console)
+        probed = fit.probe(lever_cfg, parts, plan, examples, multi_turn, Dist())
+        rows.append(fit.solve_fit(lever, tuple(pulls), probed, plan.group_cost))
+        del parts, plan, frozen  # (the next lever loads its own models)
+        gc.collect()
+        fit._trim()
+    return {
+        "model": model,
+        "device": device.type,
+        "precision": precision,
+        "overrides": list(overrides),
+        "levers": [r.as_dict() for r in rows],
+    }
+
+
+def format_fit(report: dict[str, Any]) -> str:
+    """The --fit table: one row per lever, measured and solved columns named."""
+
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.2f}"
+
+    first = report["levers"][0]
+    prompt, completion, G = first["lengths"]
+    lines = [
+        f"fit: {report['model']} on the {report['device']} ({report['precision']}), one group of {G} x "
+        f"({prompt} prompt + {completion} completion tokens), limit {gib(first['limit_bytes'])} GiB "
+        f"({first['limit_source']})",
+    ]
+    header = ("lever", "probes (measured)", "optimizer", "group peak", "fits?", "longest", "largest G")
+    rows = []
+    for r in report["levers"]:
+        probes = " / ".join(f"{gib(peak)}" for _, peak in r["probes"])
+        rows.append(
+            (
+                r["lever"],
+                probes,
+                gib(r["optimizer_bytes"]),
+                gib(r["group_peak_bytes"]),
+                "yes" if r["fits"] else "no",
+                str(r["longest_completion"]),
+                str(r["largest_group"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    lines.append(
+        f"  (GiB. probes: the peak of one training forward and backward at {G // 2} then {G} rows, measured "
+        "on this device; optimizer: the state the first update allocates, counted; group peak: the "
+        f"larger probe + it; longest: the longest sampler.max_new_tokens at {G} rows and largest G: the "
+        f"largest sampler.num_generations at {completion} tokens, both solved on the line through the "
+        "probes, not measured. A lever's settings:"
+    )
+    for r in report["levers"][1:]:
+        lines.append(f"   {r['lever']}: {' '.join(r['overrides'])}")
+    lines[-1] += ")"
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="grpo-check-env",
@@ -377,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-gib", type=float, default=None, help="pretend the device has this many GiB (for planning)"
     )
     parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --model: load the model and measure, as trainer.micro_batch_tokens=auto does, the "
+        "longest completion and the largest group that fit this device, with and without each memory "
+        "lever (minutes: the model is loaded and probed once a lever)",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         help="Hydra key=value overrides as for grpo-train (e.g. loss.beta=0.04 sampler.max_new_tokens=256)",
@@ -389,10 +492,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"the overrides {' '.join(args.overrides)} only apply to the memory estimate, which needs "
                 "--model; e.g. grpo-check-env --model qwen0.5b loss.beta=0.04."
             )
+        if args.fit and not args.model:
+            raise UserError("--fit measures a model: name it, e.g. grpo-check-env --model qwen0.5b --fit.")
         if args.model:
             info["memory_estimate"] = memory_estimate(
                 args.model, args.overrides, info, lora_r=args.lora_r, memory_gib=args.memory_gib
             )
+        if args.fit:
+            info["fit"] = fit_report(args.model, args.overrides, memory_gib=args.memory_gib)
     except UserError as exc:
         report_and_exit("grpo-check-env", [str(exc)])
     if args.json:
@@ -401,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(info))
         if "memory_estimate" in info:
             print(format_estimate(info["memory_estimate"]))
+        if "fit" in info:
+            print(format_fit(info["fit"]))
     return 1 if info["problems"] else 0
 
 
