@@ -139,6 +139,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
                 run.save(step)
 
         path = run.save(parts.total_steps)
+
         log.flush_table()
         if health.seen:
             log.warn(health.summary())
@@ -150,12 +151,14 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
 
 def _no_group(step: int, tries: int, health: HealthMonitor, log) -> None:
     """A step whose dynamic sampling kept no group: said, and counted by the health checks."""
-    log.print(
+    text = (
         f"step {step}: every sampled group was zero-std after {tries} tries; "
         "no update (consider harder/easier data or a higher temperature)"
     )
+    log.print(text)
+    log.event(step, "skipped", text)
     for warning in health.check({"step": step, "frac_reward_zero_std": 1.0}):
-        log.warn(warning)
+        log.warn(warning, step=step, kind="health")
     log.advance(step)
 
 
@@ -217,7 +220,9 @@ class _Run:
             log.log(row)
             self.diverged(step)
         if self.parts.eval_examples and ((t.eval_steps and step % t.eval_steps == 0) or last):
+            tick = time.perf_counter()
             row.update(self.evaluate())
+            row["time/eval"] = time.perf_counter() - tick
         logged = step % t.logging_steps == 0 or last
         if t.log_completions and self.parts.dist.is_main:
             records = _completion_records(
@@ -225,7 +230,7 @@ class _Run:
             )
             log.log_samples(records, logged)
         for warning in self.health.check(row):  # each kind said once, with its fix
-            log.warn(warning)
+            log.warn(warning, step=step, kind="health")
         if logged:
             log.log(row)
         else:
@@ -244,12 +249,15 @@ class _Run:
             self._said_over_plan = True
             gib, smaller = 2**30, max(plan["group_tokens"], plan["budget"] // 2)
             self.log.warn(
-                f"memory: step {step} peaked at {peak / gib:.2f} GiB, over the {plan['predicted_peak_bytes'] / gib:.2f} "
-                f"GiB that trainer.micro_batch_tokens=auto predicted for its budget {plan['budget']} (limit "
+                step=step,
+                kind="memory",
+                text=f"memory: step {step} peaked at {peak / gib:.2f} GiB, over the "
+                f"{plan['predicted_peak_bytes'] / gib:.2f} GiB that trainer.micro_batch_tokens=auto predicted "
+                f"for its budget {plan['budget']} (limit "
                 f"{plan['limit_bytes'] / gib:.2f} GiB): the probe did not see all of the step (its sampling, the "
                 "heap that freed tensors leave resident). If the run nears the device's memory, stop it and resume "
                 f"with a smaller budget pinned (trainer.micro_batch_tokens={smaller}) "
-                "or a lower trainer.memory_limit_gib."
+                "or a lower trainer.memory_limit_gib.",
             )
         return {"memory/peak_gib": peak / 2**30}
 
@@ -294,7 +302,7 @@ class _Run:
         state.step, state.stream = step, self.parts.rollouts.stream.state()
         state.grad_scaler = opt.scaler_state()
         rng_ranks = d.gather(ckpt.rng_state())  # every rank's; rank 0 writes the checkpoint
-        path = None
+        path, tick = None, time.perf_counter()
         if d.is_main or is_sharded(policy):  # (FSDP: every process writes its shard)
             path = ckpt.save_checkpoint(
                 self.run_dir,
@@ -310,7 +318,10 @@ class _Run:
                 state_dict=opt.masters.state_dict(policy) if opt.masters else None,  # the fp32 weights
                 name=name,
             )
-        return d.broadcast(path)  # no rank runs ahead of a checkpoint being written
+        path = d.broadcast(path)  # no rank runs ahead of a checkpoint being written
+        if name is None and path is not None:  # (GRPO's: the timeline's checkpoint seconds)
+            self.log.event(step, "checkpoint", str(path), seconds=round(time.perf_counter() - tick, 3))
+        return path
 
     def diverged_in_warm_up(self, k: int, loss: float, grad_norm: float) -> None:
         """A warm-up step whose loss or gradient was not finite: stop, naming the fix (no
@@ -390,7 +401,9 @@ def _note_nonfinite(updates: UpdateStats, step: int, result: StepResult, state, 
     log.warn(
         f"step {step}: non-finite {what} (loss={loss}, grad_norm={grad_norm}{where}); optimizer step "
         f"skipped{note}"
-        + ("" if benign else f" ({state.bad_steps + 1} of trainer.max_bad_steps={t.max_bad_steps} in a row)")
+        + ("" if benign else f" ({state.bad_steps + 1} of trainer.max_bad_steps={t.max_bad_steps} in a row)"),
+        step=step,
+        kind="nonfinite",
     )
 
 

@@ -29,6 +29,12 @@ from grpo_cli.samples import SAMPLES_FILE, showcase, showcase_table
 from grpo_cli.trackers import Start, Trackers
 
 METRICS_FILE = "metrics.jsonl"
+# The run's events, one JSON line each ({"step", "kind", "text", ...}): a step skipped for want of a
+# group with signal ("skipped"), a non-finite loss or gradient ("nonfinite"), a health warning
+# ("health"), a step over the memory plan ("memory"), a checkpoint written ("checkpoint", with its
+# "seconds"). grpo-report's timeline marks them (plots.timeline_figure).
+EVENTS_FILE = "events.jsonl"
+EVENT_KINDS = ("skipped", "nonfinite", "health", "memory", "checkpoint")
 # Columns of the console table (all of them go to metrics.jsonl).
 TABLE_COLUMNS = (
     "step",
@@ -91,8 +97,9 @@ class MetricsLogger:
         self.console = Console(stderr=False, quiet=quiet)
         self.rows: list[dict] = []
         self.samples_path = run_dir / SAMPLES_FILE
+        self.events_path = run_dir / EVENTS_FILE
         if writer:  # a resumed run drops the lines past its checkpoint; a new one starts afresh
-            for path in (self.path, self.samples_path):
+            for path in (self.path, self.samples_path, self.events_path):
                 _restart(path, resume_step, resume_sft_step)
         self._pending: list[dict] = []
         self._showcase: list[dict] = []  # the samples table's rows, printed with the metrics table
@@ -196,11 +203,26 @@ class MetricsLogger:
     def print(self, *args, **kwargs) -> None:
         self.progress.console.print(*args, **kwargs)
 
-    def warn(self, text: str) -> None:
-        """Warnings and stop messages: to stderr, plain text, even with trainer.quiet=true."""
+    def warn(self, text: str, *, step: int | None = None, kind: str | None = None) -> None:
+        """Warnings and stop messages: to stderr, plain text, even with trainer.quiet=true; with
+        a step and an event kind, also an event of the run (events.jsonl)."""
         if not self.writer:
             return
         print(text, file=sys.stderr, flush=True)
+        if step is not None and kind is not None:
+            self.event(step, kind, text)
+
+    def event(self, step: int, kind: str, text: str = "", **fields: Any) -> None:
+        """One line of events.jsonl (EVENTS_FILE's kinds), appended whole."""
+        if not self.writer:
+            return
+        assert kind in EVENT_KINDS, kind
+        line = json.dumps({"step": step, "kind": kind, "text": text, **fields}) + "\n"
+        try:
+            with open(self.events_path, "a") as f:
+                f.write(line)
+        except OSError as exc:
+            raise write_error(self.events_path, exc) from exc
 
 
 def _run_name(run_dir: Path) -> str:

@@ -1,5 +1,6 @@
 """Training curves as small PNG files: `metrics.png` in a run folder, `summary.png` (the runs
-overlaid, with a legend of their overrides) in a sweep folder.
+overlaid, with a legend of their overrides) in a sweep folder, and `timeline.png` in both (each
+step's seconds by phase with its events marked; a sweep's: each run's mean step by phase).
 
 Matplotlib's object API on the Agg canvas: no display, no pyplot state shared between runs.
 Plots are a by-product of training: `draw_safely` turns any failure into a one-line warning,
@@ -17,10 +18,23 @@ from typing import Any, Callable
 
 from grpo_cli.errors import first_line
 from grpo_cli.files import write_atomic
-from grpo_cli.summary import read_metrics, series
+from grpo_cli.summary import read_events, read_metrics, series
 
 RUN_PLOT = "metrics.png"
 SWEEP_PLOT = "summary.png"
+TIMELINE_PLOT = "timeline.png"  # a run's (each step's seconds by phase) and a sweep's (per run)
+# The phases of a step, in the order they run (time/<phase> in metrics.jsonl; a checkpoint's seconds
+# from events.jsonl). "eval": the held-out evaluation of that step.
+PHASES = ("rollout", "reward", "reference", "teacher", "policy", "optimizer", "sync", "eval", "checkpoint")
+# The timeline's markers: (marker, colour, label) by event kind (metrics.EVENT_KINDS), and "zero_std":
+# a step whose every group had one reward (frac_reward_zero_std 1: no learning signal).
+MARKERS = {
+    "skipped": ("x", "black", "skipped: no group with signal"),
+    "zero_std": ("s", "grey", "every group zero-std"),
+    "nonfinite": ("v", "red", "non-finite loss or gradient"),
+    "health": ("^", "darkorange", "health warning"),
+    "memory": ("D", "purple", "over the memory plan"),
+}
 # Panels: title and the metrics drawn in it. "clip_ratio/*" stands for every clip ratio logged.
 RUN_PANELS = (
     ("reward", ("reward",)),
@@ -145,6 +159,92 @@ def sweep_figure(runs: list[tuple[str, list[dict[str, Any]]]], title: str):
     return fig
 
 
+def step_phases(
+    rows: list[dict[str, Any]], events: list[dict[str, Any]]
+) -> tuple[list[int], dict[str, list[float]]]:
+    """The GRPO steps with a logged row (step > 0, with time/*) and each phase's seconds at them
+    (PHASES order; a phase no step ran is left out; a checkpoint's seconds from its event)."""
+    timed = [r for r in rows if r["step"] > 0 and any(k.startswith("time/") for k in r)]
+    saved = {e["step"]: float(e.get("seconds", 0.0)) for e in events if e.get("kind") == "checkpoint"}
+    steps = [r["step"] for r in timed]
+    phases = {}
+    for name in PHASES:
+        values = [
+            saved.get(r["step"], 0.0) if name == "checkpoint" else float(r.get(f"time/{name}", 0.0))
+            for r in timed
+        ]
+        if any(values):
+            phases[name] = values
+    return steps, phases
+
+
+def step_marks(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The steps to mark, by MARKERS kind: from the events, and the all-zero-std steps from the rows."""
+    marks = {kind: sorted({e["step"] for e in events if e.get("kind") == kind}) for kind in MARKERS}
+    marks["zero_std"] = sorted(
+        {r["step"] for r in rows if r["step"] > 0 and r.get("frac_reward_zero_std") == 1.0}
+        | set(marks["zero_std"])
+    )
+    return {kind: steps for kind, steps in marks.items() if steps}
+
+
+def timeline_figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str):
+    """Each step's seconds by phase, stacked, with the steps' events marked above the bars."""
+    from matplotlib.figure import Figure
+
+    steps, phases = step_phases(rows, events)
+    marks = step_marks(rows, events)
+    fig = Figure(figsize=(max(6.0, min(16.0, 0.12 * len(steps) + 4)), 3.6), dpi=DPI)
+    fig.subplots_adjust(left=0.08, right=0.78, top=0.88, bottom=0.14)
+    ax = fig.add_subplot(1, 1, 1)
+    bottom = [0.0] * len(steps)
+    for name, values in phases.items():
+        ax.bar(steps, values, bottom=bottom, width=0.85, label=name, color=f"C{PHASES.index(name)}")
+        bottom = [b + v for b, v in zip(bottom, values)]
+    top = max(bottom, default=0.0) or 1.0
+    for j, (kind, at) in enumerate(marks.items()):
+        marker, colour, label = MARKERS[kind]
+        ax.scatter(
+            at, [top * (1.04 + 0.06 * j)] * len(at), marker=marker, color=colour, s=22, label=label, zorder=3
+        )
+    _style(ax, "seconds a step, by phase")
+    ax.set_ylabel("seconds", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def sweep_timeline_figure(runs: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], title: str):
+    """A sweep's runs side by side: each run's mean seconds a step by phase, stacked, and the count
+    of its marked steps by kind under its bar."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(6.0, 1.1 * len(runs) + 4), 4.2), dpi=DPI)
+    fig.subplots_adjust(left=0.08, right=0.78, top=0.88, bottom=0.3)
+    ax = fig.add_subplot(1, 1, 1)
+    bottom = [0.0] * len(runs)
+    means = [step_phases(rows, events) for _, rows, events in runs]
+    for name in PHASES:
+        values = [sum(ph.get(name, [])) / max(len(steps), 1) for steps, ph in means]
+        if any(values):
+            ax.bar(
+                range(len(runs)), values, bottom=bottom, width=0.7, label=name, color=f"C{PHASES.index(name)}"
+            )
+            bottom = [b + v for b, v in zip(bottom, values)]
+    labels = []
+    for label, rows, events in runs:
+        counts = ", ".join(f"{len(at)} {kind}" for kind, at in step_marks(rows, events).items())
+        labels.append(_short(label, 40) + (f"\n({counts})" if counts else ""))
+    ax.set_xticks(range(len(runs)), labels, rotation=30, ha="right", fontsize=7)
+    ax.set_title("mean seconds a step, by phase", fontsize=10)
+    ax.set_ylabel("seconds", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def _tab20(i: int, n: int):
     from matplotlib import colormaps
 
@@ -168,7 +268,11 @@ def draw_run(run_dir: Path, title: str | None = None) -> Path | None:
     rows = read_metrics(run_dir)
     if not any(len(row) > 1 for row in rows):
         return None
-    return save_png(run_figure(rows, title or str(run_dir)), Path(run_dir) / RUN_PLOT)
+    path = save_png(run_figure(rows, title or str(run_dir)), Path(run_dir) / RUN_PLOT)
+    events = read_events(run_dir)
+    if step_phases(rows, events)[0]:  # (timeline.png beside it, once a step has its times)
+        save_png(timeline_figure(rows, events, title or str(run_dir)), Path(run_dir) / TIMELINE_PLOT)
+    return path
 
 
 def draw_sweep(folder: Path, runs: list[tuple[str, Path]], title: str | None = None) -> Path | None:
@@ -178,7 +282,12 @@ def draw_sweep(folder: Path, runs: list[tuple[str, Path]], title: str | None = N
     data = [(label, rows) for label, rows in data if any(len(row) > 1 for row in rows)]
     if not data:
         return None
-    return save_png(sweep_figure(data, title or str(folder)), Path(folder) / SWEEP_PLOT)
+    path = save_png(sweep_figure(data, title or str(folder)), Path(folder) / SWEEP_PLOT)
+    timed = [(label, read_metrics(run_dir), read_events(run_dir)) for label, run_dir in runs]
+    timed = [run for run in timed if step_phases(run[1], run[2])[0]]
+    if timed:
+        save_png(sweep_timeline_figure(timed, title or str(folder)), Path(folder) / TIMELINE_PLOT)
+    return path
 
 
 def draw_safely(draw: Callable[..., Path | None], *args: Any, prog: str, **kwargs: Any) -> Path | None:

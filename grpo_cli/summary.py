@@ -65,11 +65,18 @@ FAILED = ("failed", "interrupted")
 # ----------------------------------------------------------------------------- reading
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of `run_dir/metrics.jsonl`, oldest first; a line that is not a whole JSON row
-    (the last one, while the run writes it) is skipped."""
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's events (metrics.EVENTS_FILE), oldest first; [] for a run without any."""
+    from grpo_cli.metrics import EVENTS_FILE
+
+    return read_metrics(run_dir, EVENTS_FILE)
+
+
+def read_metrics(run_dir: Path, name: str = METRICS_FILE) -> list[dict[str, Any]]:
+    """The rows of `run_dir/metrics.jsonl` (or of another of the run's JSON Lines files), oldest
+    first; a line that is not a whole JSON row (the last one, while the run writes it) is skipped."""
     try:
-        text = (Path(run_dir) / METRICS_FILE).read_text(errors="replace")
+        text = (Path(run_dir) / name).read_text(errors="replace")
     except (FileNotFoundError, NotADirectoryError):
         return []
     rows = []

@@ -98,6 +98,8 @@ def test_sweep_writes_every_run_a_summary_and_plots(sweep):
         assert summary.read_status(folder / job)["status"] == "completed"
         assert_png(folder / job / "metrics.png")
     assert_png(folder / "summary.png")
+    assert_png(folder / plots.TIMELINE_PLOT)  # each run's mean step by phase
+    assert all((folder / job / plots.TIMELINE_PLOT).exists() for job in jobs)
     rows = list(csv.DictReader((folder / "summary.csv").open()))
     assert [r["label"] for r in rows] == [
         "loss.beta=0 loss.epsilon=0.1",
@@ -493,3 +495,67 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["clip_ratio/low_mean", "eval/accuracy", "kl", "reward"]
     assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 0.5)]
+
+
+# ----------------------------------------------------------------------------- the timeline
+
+
+def test_the_timeline_stacks_each_steps_phases_and_marks_its_events():
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1},  # (before GRPO: no phases)
+        {"step": 1, "time/rollout": 2.0, "time/policy": 1.0, "time/reward": 0.0, "frac_reward_zero_std": 0.5},
+        {"step": 2, "time/rollout": 3.0, "time/policy": 1.5, "time/eval": 4.0, "frac_reward_zero_std": 1.0},
+    ]
+    events = [
+        {"step": 2, "kind": "checkpoint", "text": "ckpt", "seconds": 0.5},
+        {"step": 2, "kind": "health", "text": "no learning signal"},
+        {"step": 3, "kind": "skipped", "text": "no group"},
+    ]
+    steps, phases = plots.step_phases(rows, events)
+    assert steps == [1, 2]
+    assert phases == {
+        "rollout": [2.0, 3.0],
+        "policy": [1.0, 1.5],
+        "eval": [0.0, 4.0],
+        "checkpoint": [0.0, 0.5],
+    }
+    assert list(phases) == [p for p in plots.PHASES if p in phases]  # in the order a step runs them
+    assert plots.step_marks(rows, events) == {"skipped": [3], "zero_std": [2], "health": [2]}
+    fig = plots.timeline_figure(rows, events, "run")
+    ax = fig.axes[0]
+    assert len(ax.patches) == 2 * 4  # a bar a step and phase
+    assert max(p.get_y() + p.get_height() for p in ax.patches) == pytest.approx(9.0)  # step 2 stacked
+    labels = {c.get_label() for c in ax.collections}
+    assert labels == {plots.MARKERS[k][2] for k in ("skipped", "zero_std", "health")}
+
+
+def test_a_run_logs_its_events_and_draws_its_timeline(compose, tmp_path):
+    """A tiny run whose rewards are all alike: every step zero-std (marked), the health warning an
+    event, each checkpoint an event with its seconds, the held-out evaluation's seconds in its row;
+    timeline.png drawn from the run's files alone."""
+    from conftest import tiny
+
+    from grpo_cli.cli.train import train_config
+
+    cfg = compose(
+        tiny(
+            "reward=[]",
+            "+reward.same.fn=reward_fixtures:constant",
+            "trainer.max_steps=5",  # (no learning signal: said after 5 zero-std steps)
+            "trainer.save_steps=2",
+            "data.eval_size=4",
+            "trainer.precision=fp32",
+        )
+    )
+    train_config(cfg, tmp_path)
+    events = summary.read_events(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [2, 4, 5]
+    assert all(e["seconds"] > 0 for e in events if e["kind"] == "checkpoint")
+    health = [e for e in events if e["kind"] == "health"]
+    assert any("no learning signal" in h["text"] for h in health), health
+    rows = summary.read_metrics(tmp_path)
+    assert rows[-1]["time/eval"] > 0
+    marks = plots.step_marks(rows, events)
+    assert marks["zero_std"] == [1, 2, 3, 4, 5] and marks["health"] == sorted({h["step"] for h in health})
+    assert_png(plots.draw_run(tmp_path))
+    assert_png(tmp_path / plots.TIMELINE_PLOT)
