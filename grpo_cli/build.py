@@ -33,6 +33,7 @@ from grpo_cli.data import (
     build_prompts,
     read_rows,
     to_examples,
+    validation_rows,
     wide_eval_rows,
 )
 from grpo_cli.data import plugin as data_source
@@ -201,6 +202,7 @@ class Parts:
     placement: Placement | None = None
     train_examples: list[Example] = dataclasses.field(default_factory=list)
     demonstrations: Any = None
+    val_examples: list[Example] = dataclasses.field(default_factory=list)  # data.val_size's rows, or []
 
 
 @dataclass(frozen=True)
@@ -353,6 +355,7 @@ class Front:
     wide_eval: list[Example]  # the second held-out set (operands outside training's), or []
     resume: Resume  # grpo-train's checkpoint to resume (Resume(None, None, []): none)
     teacher: ModelSource | None  # grpo-train's teacher's weights (teacher_source), None without one
+    val: list[Example] = dataclasses.field(default_factory=list)  # data.val_size's validation set, or []
 
 
 def build_front(
@@ -376,6 +379,7 @@ def build_front(
     training = run_dir is not None
     resume = resume_state(cfg, run_dir, _fsdp(cfg, d)) if training else Resume(None, None, [])
     train_rows, eval_rows = read_data(cfg)
+    train_rows, val_rows = validation_rows(train_rows, cfg.data.val_size, cfg.trainer.seed)
     wide_rows = read_wide_eval(cfg)
     check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
     seed_everything(cfg.trainer.seed)
@@ -389,7 +393,10 @@ def build_front(
     data = build_data(cfg, (train_rows, eval_rows), tokenizer)
     check_group_by(cfg.data.eval_group_by, data.eval, default=DataConfig().eval_group_by)
     wide_eval = build_wide_eval(cfg, wide_rows, tokenizer)
-    return Front(rewards, at, source, tokenizer, data, wide_eval, resume, teacher)
+    val = to_examples(
+        val_rows, tokenizer, Formatting.of(cfg.data, cfg.sampler.max_prompt_length), "the validation set"
+    )
+    return Front(rewards, at, source, tokenizer, data, wide_eval, resume, teacher, val)
 
 
 def _policy(cfg: Config, front: Front, fsdp: bool, console):
@@ -547,6 +554,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         learner=learner,
         eval_examples=front.data.eval,
         wide_eval_examples=front.wide_eval,
+        val_examples=front.val,
         total_steps=total_steps,
         state=state,
         resumed_from=resume.path,

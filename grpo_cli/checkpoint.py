@@ -42,6 +42,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 # trainer.keep_last: the warmed weights, which the KL reference and a resume after it read).
 SFT_DIR = re.compile(r"^sft-(\d+)$")
 SFT_END = "sft-end"
+BEST = "best"  # checkpoints/best: the step trainer.best_metric chose (outside keep_last; no optimizer)
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"
 FORMAT_VERSION = 1
@@ -84,6 +85,9 @@ class TrainerState:
     # trainer.micro_batch_tokens=auto's plan (fit.FitPlan.as_dict), made before step 1: a resume
     # reuses it rather than probing again.
     fit: dict[str, Any] | None = None
+    # trainer.best_metric's progress (early.Progress.as_dict): the best value and step, the
+    # evaluations since, where early stopping ended the run. None: no validation yet.
+    early: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -102,6 +106,7 @@ class TrainerState:
         band = data.get("band")
         state.band = None if band is None else [int(i) for i in band]
         state.fit = data.get("fit")
+        state.early = data.get("early")
         return state
 
     def rng_of(self, rank: int) -> dict[str, Any] | None:
@@ -263,6 +268,47 @@ def save_checkpoint(
         raise
     if d.is_main and final.name != SFT_END:
         _rotate(root, keep_last, SFT_DIR if SFT_DIR.match(final.name) else STEP_DIR)
+    return final
+
+
+def save_best(
+    run_dir: Path, *, model, tokenizer, config_yaml: str, record: dict[str, Any], state_dict=None
+) -> Path:
+    """checkpoints/best: the model (a LoRA model: its adapter), its tokenizer, config.yaml and
+    best.json (`record`: the metric, its value, the step), no optimizer state; written whole under a
+    temporary name, then renamed over the previous best. grpo-eval --checkpoint, grpo-chat and
+    grpo-export read it as any checkpoint; a resume does not (it has no trainer state)."""
+    root = checkpoints_dir(run_dir)
+    final, tmp = root / BEST, root / f"{TMP_PREFIX}{BEST}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        extra = {"save_embedding_layers": False} if is_adapted(model) else {}
+        if state_dict is not None:
+            extra["state_dict"] = state_dict
+        model.save_pretrained(tmp, safe_serialization=True, **extra)
+        if state_dict is not None:  # (the fp32 masters of a bf16 policy)
+            _set_config_dtype(tmp / "config.json", "float32")
+        tokenizer.save_pretrained(tmp)
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "best.json").write_text(json.dumps(record, indent=1) + "\n")
+        fsync_tree(tmp)
+        trash = root / f"{TRASH_PREFIX}{BEST}-{os.getpid()}"
+        if final.exists():
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        shutil.rmtree(trash, ignore_errors=True)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(
+            f"could not write checkpoint {final}: {first_line(exc)}. {_disk_hint(root)}"
+            "Free disk space or point hydra.run.dir at a disk with room; the other checkpoints are intact."
+        ) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli import fit, guards, stages
+from grpo_cli import early, fit, guards, stages
 from grpo_cli import step as phases
 from grpo_cli.build import Parts
 from grpo_cli.config import Config
-from grpo_cli.distributed import is_sharded, shard
+from grpo_cli.distributed import is_sharded, prompt_seed, shard
 from grpo_cli.errors import Interrupted, UserError, first_line
 from grpo_cli.evaluate import group_values
 from grpo_cli.health import HealthMonitor
@@ -92,6 +92,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
     with log, _StopFlag(quiet=not d.is_main) as stop:
         # 0. The stages before GRPO (stages.py): start eval -> warm-up -> band -> eval_before.
         points = stages.before_grpo(run, stop)
+        ended = parts.total_steps  # (the step the run ends at: early stopping may end it sooner)
         for step in range(start_step + 1, parts.total_steps + 1):
             t0 = time.perf_counter()
             fit.reset_peak(learner.device)  # (the step's peak memory: memory/peak_gib)
@@ -133,12 +134,15 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             row = step_row(step, stepped.batch, sampled, report) | stepped.entropy | run.memory(step)
             guards.record_step(state, step, updated.stats.faults, t)
             last_row = run.record(step, row, stepped.batch, sampled)
+            if run.decides(step, last_row):  # checkpoints/best; early stopping ends the run here
+                ended = step
+                break
             if d.any(stop.requested) and step != parts.total_steps:  # (the last step finishes normally)
                 _stop_requested(stop, step, run)
             if step % t.save_steps == 0 and step != parts.total_steps:
                 run.save(step)
 
-        path = run.save(parts.total_steps)
+        path = run.save(ended)
 
         log.flush_table()
         if health.seen:
@@ -146,6 +150,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
         sizes = {"eval": len(parts.eval_examples), "eval_wide": len(parts.wide_eval_examples)}
         stages.say_points(log, points, last_row, sizes)
+        run.say_best(last_row)
     return last_row
 
 
@@ -203,10 +208,15 @@ class _Run:
         )
         self.resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
         self._said_over_plan = False  # (memory: the step's peak over auto's plan, said once)
+        self._said_best_sharded = False
         group_by = cfg.data.eval_group_by
         self.eval_sets = [  # (metric prefix, examples, their values of data.eval_group_by), found once
             (prefix, examples, group_values(examples, group_by))
-            for prefix, examples in (("eval", parts.eval_examples), ("eval_wide", parts.wide_eval_examples))
+            for prefix, examples in (
+                ("eval", parts.eval_examples),
+                ("eval_wide", parts.wide_eval_examples),
+                ("val", parts.val_examples),
+            )
             if examples
         ]
 
@@ -219,9 +229,10 @@ class _Run:
         if state.bad_steps >= t.max_bad_steps:
             log.log(row)
             self.diverged(step)
-        if self.parts.eval_examples and ((t.eval_steps and step % t.eval_steps == 0) or last):
+        during = t.eval_steps and step % t.eval_steps == 0 and step >= t.eval_start
+        if self.eval_sets and (during or last):
             tick = time.perf_counter()
-            row.update(self.evaluate())
+            row.update(self.evaluate(step))
             row["time/eval"] = time.perf_counter() - tick
         logged = step % t.logging_steps == 0 or last
         if t.log_completions and self.parts.dist.is_main:
@@ -260,6 +271,66 @@ class _Run:
                 "or a lower trainer.memory_limit_gib.",
             )
         return {"memory/peak_gib": peak / 2**30}
+
+    def decides(self, step: int, row: dict) -> bool:
+        """After an evaluation with a validation set: a new best of trainer.best_metric is written
+        to checkpoints/best, and early stopping may end the run at this step (early.decide; the
+        progress kept in the run's state). True: stop now."""
+        t, state = self.cfg.trainer, self.parts.state
+        if not self.parts.val_examples or t.best_metric not in row:
+            return False
+        decision = early.decide(
+            early.Progress.from_dict(state.early),
+            row[t.best_metric],
+            step,
+            patience=t.early_stopping_patience,
+            target=t.early_stopping_target,
+            held_out=row.get("eval/accuracy"),
+            metric=t.best_metric,
+        )
+        state.early = decision.progress.as_dict()
+        if decision.improved:
+            self.save_best(step, t.best_metric, row[t.best_metric])
+        if decision.stop:
+            self.log.warn(f"early stopping at step {step}: {decision.reason}")
+        return decision.stop
+
+    def save_best(self, step: int, metric: str, value: float) -> None:
+        """checkpoints/best (checkpoint.save_best), by rank 0; not under FSDP (said once)."""
+        d, policy, opt = self.parts.dist, self.parts.learner.policy, self.parts.learner.opt_step
+        if is_sharded(policy):
+            if not self._said_best_sharded:
+                self._said_best_sharded = True
+                self.log.warn(
+                    "checkpoints/best is not written under trainer.distributed=fsdp; best.json's step is logged."
+                )
+            return
+        if self.bad_weights():
+            return
+        path = None
+        if d.is_main:
+            path = ckpt.save_best(
+                self.run_dir,
+                model=policy,
+                tokenizer=self.parts.rollouts.tokenizer,
+                config_yaml=self.config_yaml,
+                record={"metric": metric, "value": value, "step": step},
+                state_dict=opt.masters.state_dict(policy) if opt.masters else None,
+            )
+        d.broadcast(path)
+
+    def say_best(self, last_row: dict) -> None:
+        """The run's last line on its best step: the metric there, and the held-out accuracy at that
+        step beside the last one's (chosen on the validation set, reported on the held-out set)."""
+        progress = early.Progress.from_dict(self.parts.state.early)
+        if not progress.best_step:
+            return
+        metric = self.cfg.trainer.best_metric
+        held = ""
+        if progress.best_held_out is not None and "eval/accuracy" in last_row:
+            held = f"; held-out accuracy there {progress.best_held_out:.3f}, at the end {last_row['eval/accuracy']:.3f}"
+        where = ckpt.checkpoints_dir(self.run_dir) / ckpt.BEST
+        self.log.print(f"best: step {progress.best_step} ({metric} {progress.best:.3f}{held}); {where}")
 
     def bad_weights(self) -> list[str]:
         """Parameters holding a NaN or an infinity, decided alike on every process (FSDP: each
@@ -340,13 +411,20 @@ class _Run:
         )
         raise SystemExit(stop.exit_code)
 
-    def evaluate(self) -> dict[str, float]:
-        """The held-out set, and the wide one (operands outside training's) when there is one,
-        greedy, with accuracy per value of data.eval_group_by (kind of problem)."""
-        d, out = self.parts.dist, {}
+    def evaluate(self, step: int = 0) -> dict[str, float]:
+        """The held-out set, the wide one (operands outside training's) and the validation set,
+        where there are, greedy, with accuracy per value of data.eval_group_by (kind of problem);
+        with trainer.eval_samples k, also k sampled completions a prompt (pass@1, pass@k), each
+        prompt from its own seed (prompt_seed of the step, on a key no training draw uses): the
+        training's draws do not depend on whether the run evaluates this way."""
+        d, out, k = self.parts.dist, {}, self.cfg.trainer.eval_samples
         for prefix, examples, groups in self.eval_sets:
-            mine = [examples[i] for i in shard(len(examples), d.rank, d.world_size)]
+            indices = shard(len(examples), d.rank, d.world_size)
+            mine = [examples[i] for i in indices]
             out |= self.parts.rollouts.evaluate(mine, prefix, groups)
+            if k:
+                seeds = [prompt_seed(self.cfg.trainer.seed, -1 - step, i) for i in indices]
+                out |= self.parts.rollouts.evaluate(mine, prefix, groups, samples=k, seeds=seeds)
         return out
 
 

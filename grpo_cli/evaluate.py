@@ -71,6 +71,8 @@ def evaluate(
     prefix: str = "eval",
     group_by: str | None = None,
     groups: list[str] = (),
+    samples: int = 0,
+    seeds: list[int] | None = None,
 ) -> dict[str, float]:
     """`eval/reward` (weighted total) and `eval/accuracy` (the accuracy rule, Scored.accuracy:
     the share of the rows the correctness reward applies to that pass; only when a correctness
@@ -79,7 +81,23 @@ def evaluate(
     With `group_by` (a column) also `eval/accuracy/<value>` for each value in `groups` (the
     same list on every process). `prefix` names the set (eval, eval_wide).
     reduce: sums a list of floats over the processes that evaluate a shard each
-    (distributed.Dist.sum): the means are then over every shard."""
+    (distributed.Dist.sum): the means are then over every shard.
+    samples k >= 1: `samples` completions of each prompt with the sampler's settings (seeds: each
+    prompt's sampling seed) instead of one greedy one, reported as `<prefix>/pass@1` (the accuracy
+    rule over the sampled rows) and `<prefix>/pass@k` (the share of prompts with a counted row that
+    passes), per group too; no `<prefix>/accuracy` nor `<prefix>/reward` (those names are greedy's)."""
+    if samples:
+        graded = grade(
+            path,
+            tokenizer,
+            examples,
+            rewards,
+            num_generations=samples,
+            greedy=False,
+            prompts_per_call=max(1, batch_size // samples),
+            seeds=seeds,
+        )
+        return _sampled_metrics(graded, examples, rewards, reduce, prefix, group_by, groups, samples)
     graded = grade(path, tokenizer, examples, rewards, prompts_per_call=batch_size)
     judged = correctness(rewards) is not None
     totals = graded.totals.tolist() if graded is not None else []
@@ -105,6 +123,39 @@ def evaluate(
         for i, k in enumerate(env_names):
             out[f"{prefix}/{k}"] = sums[base + i] / max(sums[base + len(env_names)], 1)
     return out
+
+
+def _sampled_metrics(graded, examples, rewards, reduce, prefix, group_by, groups, k: int) -> dict[str, float]:
+    """evaluate's sampled metrics: <prefix>/pass@1 and /pass@k, per group too (all prompts' rows
+    and prompts summed over the shards first; <prefix>/reward stays greedy's)."""
+    judged = correctness(rewards) is not None
+    whole = {"all": _counts(graded) if graded is not None else GroupAccuracy(0, 0, 0, 0)}
+    by_group = group_accuracy(graded, examples, group_by, groups) if graded is not None and group_by else {}
+    sums = []
+    for name in ["all", *groups]:
+        g = whole["all"] if name == "all" else by_group.get(name, GroupAccuracy(0, 0, 0, 0))
+        sums += [g.passed, g.counted, g.prompts_passed, g.prompts]
+    sums = reduce(sums) if reduce else sums
+    out = {}
+    for i, name in enumerate(["all", *groups]):
+        passed, counted, prompts_passed, prompts = sums[4 * i : 4 + 4 * i]
+        suffix = "" if name == "all" else f"/{name}"
+        if judged and counted:
+            out[f"{prefix}/pass@1{suffix}"] = passed / counted
+            out[f"{prefix}/pass@{k}{suffix}"] = prompts_passed / max(prompts, 1)
+    return out
+
+
+def _counts(graded: Scored) -> GroupAccuracy:
+    """The accuracy rule over every row of `graded`, and over its prompts (GroupAccuracy's)."""
+    flags = zip(graded.prompt_index.tolist(), graded.passed.tolist(), graded.applies.tolist())
+    counted = [(prompt, passes) for prompt, passes, applies in flags if applies]
+    return GroupAccuracy(
+        passed=sum(passes for _, passes in counted),
+        counted=len(counted),
+        prompts_passed=len({prompt for prompt, passes in counted if passes}),
+        prompts=len({prompt for prompt, _ in counted}),
+    )
 
 
 class GroupAccuracy(NamedTuple):

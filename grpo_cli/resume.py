@@ -181,6 +181,16 @@ def run_length(
     steps_per_epoch = math.ceil(train_prompts / t.prompts_per_step)
     total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
     state = loaded[0] if loaded else ckpt.TrainerState()
+    stopped = (state.early or {}).get("stopped_at", 0) if loaded else 0
+    if stopped and state.step == stopped:
+        if d.is_main:
+            print(
+                f"grpo-train: the run is already complete: early stopping ended it at step {stopped} ({resume_from}); "
+                "nothing was changed. Raise trainer.early_stopping_patience (or drop it) in a new run to train further.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None
     if loaded and state.step == total_steps:
         if d.is_main:
             print(

@@ -67,8 +67,11 @@ class Rollouts:
             seeds=seeds,
         )
 
-    def evaluate(self, examples: list, prefix: str, groups: list[str]) -> dict[str, float]:
-        """grpo-train's eval/ metrics of this rank's share of a held-out set (evaluate.evaluate)."""
+    def evaluate(
+        self, examples: list, prefix: str, groups: list[str], samples: int = 0, seeds: list[int] | None = None
+    ) -> dict[str, float]:
+        """grpo-train's eval/ metrics of this rank's share of a held-out set (evaluate.evaluate):
+        greedy, or `samples` sampled completions a prompt (seeds: each prompt's)."""
         return evaluate(
             self.path,
             self.tokenizer,
@@ -78,6 +81,8 @@ class Rollouts:
             prefix=prefix,
             group_by=self.cfg.data.eval_group_by,
             groups=groups,
+            samples=samples,
+            seeds=seeds,
         )
 
     def close(self) -> None:

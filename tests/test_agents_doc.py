@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 from conftest import ROOT, console_script, grpo_env
@@ -45,7 +46,10 @@ def test_each_grpo_train_line_composes_and_validates(line, tmp_path, monkeypatch
     args = [a for a in args if a not in ("--cfg", "job")]  # (prints the config: compose-only already)
     overrides = [a for a in args if not a.startswith("hydra.")]  # (the run folder: not config)
     assert all("=" in a for a in overrides), line
-    typed_config(overrides)
+    try:
+        typed_config(overrides)
+    finally:  # (the file's reward module must not stay imported: other tests write their own my_rewards)
+        sys.modules.pop("my_rewards", None)
 
 
 @pytest.mark.parametrize("line", [c for c in _commands() if not c.startswith("grpo-train")])

@@ -362,22 +362,38 @@ def format_estimate(est: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _measure_lever(base: list[str], lever: str, pulls: tuple[str, ...]) -> dict[str, Any]:
+    """One lever of --fit, in a process of its own (fit_report starts one per lever): the config with
+    the lever's settings, built as grpo-train builds it and probed as auto probes; its row's dict."""
+    from rich.console import Console
+
+    from grpo_cli import fit
+    from grpo_cli.build import build_fit_probe
+    from grpo_cli.cli.common import typed_config
+    from grpo_cli.distributed import Dist
+
+    cfg = typed_config(base + list(pulls))
+    parts, plan, examples, multi_turn, _ = build_fit_probe(cfg, Console(stderr=True))
+    probed = fit.probe(cfg, parts, plan, examples, multi_turn, Dist())
+    return fit.solve_fit(lever, tuple(pulls), probed, plan.group_cost).as_dict()
+
+
 def fit_report(model: str, overrides: list[str], *, memory_gib: float | None = None) -> dict[str, Any]:
     """grpo-check-env --fit: the config as it is and each memory lever that applies to it
-    (fit.levers), each built as grpo-train builds it on this device (the model loaded once a lever)
-    and probed as trainer.micro_batch_tokens=auto probes (fit.probe: one group at the data's longest
-    prompt and sampler.max_new_tokens, G/2 rows then G). Per lever: the measured peaks, the optimizer
-    state counted, and, solved from the line through the probes, the longest completion and the
-    largest group that fit (fit.solve_fit). Progress and the builders' notes go to stderr."""
-    import gc
+    (fit.levers), each in a fresh process (what one lever's models leave in the heap must not count
+    toward the next one's peaks), built as grpo-train builds it on this device and probed as
+    trainer.micro_batch_tokens=auto probes (fit.probe: one group at the data's longest prompt and
+    sampler.max_new_tokens, G/2 rows then G). Per lever: the measured peaks, the optimizer state
+    counted, and, solved from the line through the probes, the longest completion and the largest
+    group that fit (fit.solve_fit). Progress and the builders' notes go to stderr."""
     import importlib.util
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     from rich.console import Console
 
     from grpo_cli import fit, memory
-    from grpo_cli.build import build_fit_probe
     from grpo_cli.cli.common import typed_config
-    from grpo_cli.distributed import Dist
     from grpo_cli.precision import resolve_device, resolve_precision
 
     if memory_gib is not None and not memory_gib > 0:
@@ -396,19 +412,14 @@ def fit_report(model: str, overrides: list[str], *, memory_gib: float | None = N
     rows = []
     for lever, pulls in fit.levers(cfg, precision, available):
         console.print(f"[bold]--fit[/]: {lever}{' (' + ' '.join(pulls) + ')' if pulls else ''}")
-        lever_cfg = typed_config(base + list(pulls))
-        parts, plan, examples, multi_turn, frozen = build_fit_probe(lever_cfg, console)
-        probed = fit.probe(lever_cfg, parts, plan, examples, multi_turn, Dist())
-        rows.append(fit.solve_fit(lever, tuple(pulls), probed, plan.group_cost))
-        del parts, plan, frozen  # (the next lever loads its own models)
-        gc.collect()
-        fit._trim()
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as one:
+            rows.append(one.submit(_measure_lever, base, lever, tuple(pulls)).result())
     return {
         "model": model,
         "device": device.type,
         "precision": precision,
         "overrides": list(overrides),
-        "levers": [r.as_dict() for r in rows],
+        "levers": rows,
     }
 
 

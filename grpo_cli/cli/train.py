@@ -363,6 +363,14 @@ def _config_flags(args: list[str]) -> list[str]:
 
 
 def _interrupt(signum, frame) -> None:
+    if frame is not None and frame.f_code.co_name == "__del__":
+        # A finalizer was running (the garbage collector, e.g. while a launcher stops this rank
+        # after another failed): an exception raised there is only printed, as "Exception ignored",
+        # with a traceback. Deliver the signal again a moment later, outside it.
+        import threading
+
+        threading.Timer(0.01, signal.raise_signal, (signum,)).start()
+        return
     raise Interrupted(signal.Signals(signum).name, 128 + signum)
 
 

@@ -43,6 +43,10 @@ class DataConfig:
     # Split to evaluate on; None carves `eval_size` held-out rows off the training split.
     eval_split: Optional[str] = None
     eval_size: int = 200
+    # A validation set for trainer.best_metric (checkpoints/best, early stopping): this many rows
+    # carved from the training rows (never trained on), apart from the held-out set the run
+    # reports. 0: none.
+    val_size: int = 0
     prompt_column: str = "prompt"
     system_prompt: Optional[str] = None
     use_chat_template: bool = True
@@ -275,6 +279,18 @@ class TrainerConfig:
     logging_steps: int = 1
     save_steps: int = 16
     eval_steps: int = 0  # 0: evaluate only at the end
+    eval_start: int = 0  # no evaluation during the run before this step (the end's always runs)
+    # Each evaluation also samples this many completions a prompt with the sampler's settings:
+    # <set>/pass@1 and <set>/pass@k beside greedy accuracy (0: greedy only; it costs k greedy runs).
+    eval_samples: int = 0
+    # Evaluation that decides (grpo_cli/early.py), read on data.val_size's validation set at each
+    # evaluation: the metric (higher is better) whose best step is kept as checkpoints/best
+    # (weights or adapter, config, tokenizer, best.json; no optimizer state), and early stopping:
+    # stop once it reaches early_stopping_target, or after early_stopping_patience evaluations
+    # without improving on its best (null: off).
+    best_metric: str = "val/accuracy"
+    early_stopping_patience: Optional[int] = None
+    early_stopping_target: Optional[float] = None
     eval_before: bool = True  # also evaluate before the first step, to print before -> after
     seed: int = 0
     precision: str = "auto"  # auto | fp32 | bf16 (bf16 weights, fp32 masters) | bf16-autocast | fp16

@@ -93,6 +93,8 @@ NON_NEGATIVE = (
     "trainer.log_completions",
     "trainer.logprob_chunk_size",
     "data.eval_size",
+    "data.val_size",
+    "trainer.eval_samples",
     "data.max_multiplier",
     "data.wide_eval_max_operand",
     "optimizer.warmup_steps",
@@ -121,6 +123,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     from grpo_cli import adapters, data, distributed, environments, optim, samplers, trackers
     from grpo_cli.band import check_band
     from grpo_cli.chat_template import check_template_kwargs
+    from grpo_cli.early import check_early
     from grpo_cli.sft import check_sft
 
     tr = cfg.trainer
@@ -129,6 +132,7 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
     problems += loss_problems(cfg.loss)
     problems += optim.check_optimizer(cfg.optimizer, cfg)
     problems += _frozen_precision_problems(tr)
+    problems += check_early(cfg)
     problems += distributed.check_processes(tr)
     problems += environments.check_environment(cfg.environment)
     W = distributed.planned_world_size(tr)

@@ -206,6 +206,24 @@ def _to_examples(rows: list[dict], tokenizer, f: Formatting, where: str) -> tupl
     return examples, dropped, truncated
 
 
+def validation_rows(rows: list[dict], size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, validation rows): data.val_size rows drawn by `seed` from the training rows
+    (the rest keep their order), for trainer.best_metric; never trained on, apart from the held-out
+    set. size 0: none."""
+    if size <= 0:
+        return rows, []
+    if size >= len(rows):
+        raise UserError(
+            f"data.val_size={size} takes every training row ({len(rows)}): carve fewer (e.g. {max(1, len(rows) // 10)}), "
+            "or give more data (data.num_examples for the built-in arithmetic)."
+        )
+    import random
+
+    picked = sorted(random.Random(seed + 1).sample(range(len(rows)), size))
+    chosen = set(picked)
+    return [row for i, row in enumerate(rows) if i not in chosen], [rows[i] for i in picked]
+
+
 def to_examples(rows: list[dict], tokenizer, f: Formatting, where: str) -> list[Example]:
     """Rows formatted and tokenized as the held-out split is (a second held-out set)."""
     examples, _, _ = _to_examples(rows, tokenizer, f, where)
