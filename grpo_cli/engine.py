@@ -147,7 +147,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         log.flush_table()
         if health.seen:
             log.warn(health.summary())
-        log.print(f"done: {parts.total_steps} steps; final checkpoint {path}; metrics in {log.path}")
+        log.print(f"done: {ended} steps; final checkpoint {path}; metrics in {log.path}")
         sizes = {"eval": len(parts.eval_examples), "eval_wide": len(parts.wide_eval_examples)}
         stages.say_points(log, points, last_row, sizes)
         run.say_best(last_row)
@@ -302,7 +302,7 @@ class _Run:
             if not self._said_best_sharded:
                 self._said_best_sharded = True
                 self.log.warn(
-                    "checkpoints/best is not written under trainer.distributed=fsdp; best.json's step is logged."
+                    "checkpoints/best is not written under trainer.distributed=fsdp (the best step is said at the end)."
                 )
             return
         if self.bad_weights():

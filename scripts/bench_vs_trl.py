@@ -37,10 +37,12 @@ landing), and the ratio to TRL's better fp32 variant (and to its better bf16 one
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -683,6 +685,8 @@ def main() -> None:
         # "here": TRL importable by this very interpreter (the lent GPU machine: carried wheels).
         trl = Path(sys.executable) if a.trl_venv == "here" else trl_python(Path(a.trl_venv))
     tmp = Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
+    # (every run's folder, with its checkpoints: 2 GB a run of the 0.5B shape, gone at the end)
+    atexit.register(shutil.rmtree, tmp, True)
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts()))
     results = {
