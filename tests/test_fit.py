@@ -337,6 +337,7 @@ def test_fit_measures_the_levers_that_apply(compose, overrides, precision, avail
     assert [name for name, _ in fit.levers(cfg, precision, available)] == expected
 
 
+@pytest.mark.slow  # (each lever runs in a process of its own: multiprocessing, which the guard does not see)
 def test_check_env_fit_measures_each_lever_on_the_real_model(capsys):
     """grpo-check-env --model tiny --fit: every lever that applies is built and probed on this device;
     its peaks are measured, its optimizer state counted (8 bytes a trained weight for AdamW, less
