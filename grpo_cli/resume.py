@@ -182,23 +182,20 @@ def run_length(
     total_steps = min(t.max_steps, t.epochs * steps_per_epoch)
     state = loaded[0] if loaded else ckpt.TrainerState()
     stopped = (state.early or {}).get("stopped_at", 0) if loaded else 0
+    complete = None
     if stopped and state.step == stopped:
+        complete = (
+            f"early stopping ended it at step {stopped} ({resume_from}); nothing was changed. Raise "
+            "trainer.early_stopping_patience (or drop it) in a new run to train further."
+        )
+    elif loaded and state.step == total_steps:
+        complete = (
+            f"{resume_from} is step {total_steps} of {total_steps}; nothing was changed. Raise trainer.max_steps "
+            "to train further."
+        )
+    if complete is not None:
         if d.is_main:
-            print(
-                f"grpo-train: the run is already complete: early stopping ended it at step {stopped} ({resume_from}); "
-                "nothing was changed. Raise trainer.early_stopping_patience (or drop it) in a new run to train further.",
-                file=sys.stderr,
-                flush=True,
-            )
-        return None
-    if loaded and state.step == total_steps:
-        if d.is_main:
-            print(
-                f"grpo-train: the run is already complete ({resume_from} is step {total_steps} of {total_steps}); "
-                "nothing was changed. Raise trainer.max_steps to train further.",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"grpo-train: the run is already complete: {complete}", file=sys.stderr, flush=True)
         return None
     if state.step > total_steps:
         raise UserError(
