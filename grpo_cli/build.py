@@ -63,6 +63,7 @@ from grpo_cli.precision import (
     resolve_precision,
     to_weights_dtype,
 )
+from grpo_cli.replay import open_saved
 from grpo_cli.resume import Resume, restore, resume_state, run_length
 from grpo_cli.rewards import Rewards, build_rewards, check_reward_columns
 from grpo_cli.roles import Learner, Rollouts
@@ -497,6 +498,11 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
         return None
     total_steps, state = length
     at, resume, fsdp = front.at, front.resume, _fsdp(cfg, d)
+    saved = (  # trainer.replay: the saved rollouts, checked before any model loads
+        open_saved(cfg, front.rewards, at.device, d.world_size, console.print) if t.replay else None
+    )
+    if saved is not None and state.fit is None and saved.fit is not None:  # (auto: the original's budget)
+        state.fit = saved.fit
     precision, device, tokenizer, rewards = at.precision, at.device, front.tokenizer, front.rewards
     demonstrations = None
     if cfg.sft.name != "none" and not state.sft_done and not state.step:  # (before any model loads)
@@ -513,11 +519,13 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     # (fp16: a warm-up checkpoint's scaler state is the warm-up's own: stages.py restores it)
     scaler = _grad_scaler(precision, device, state if state.step else ckpt.TrainerState())
     opt_step = optimizer_step(cfg, policy, masters, scaler, total_steps, d)
+    if saved is not None:  # (after the schedule: it spans the original's steps) the saved ones
+        total_steps = min(total_steps, saved.last_step)
     stream = PromptStream(train, seed=t.seed)
     if resume.loaded:  # (GRPO's optimizer and stream once GRPO has stepped; a warm-up's: stages.py)
         restore(resume, policy, opt_step, stream, fsdp=fsdp, d=d, console=console)
     plan, scorer = _scoring(cfg, policy, fsdp, console)
-    rollouts = build_rollouts(cfg, policy, tokenizer, rewards, at, stream)
+    rollouts = dataclasses.replace(build_rollouts(cfg, policy, tokenizer, rewards, at, stream), saved=saved)
     scorer = wrap_scorer(scorer, d, device)
     if t.micro_batch_tokens == "auto":  # (after every model and the sampler: they hold memory too)
         try:
@@ -552,9 +560,10 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     return Parts(
         rollouts=rollouts,
         learner=learner,
-        eval_examples=front.data.eval,
-        wide_eval_examples=front.wide_eval,
-        val_examples=front.val,
+        # (a replay samples nothing: no evaluation, no validation set)
+        eval_examples=front.data.eval if saved is None else [],
+        wide_eval_examples=front.wide_eval if saved is None else [],
+        val_examples=front.val if saved is None else [],
         total_steps=total_steps,
         state=state,
         resumed_from=resume.path,

@@ -109,6 +109,16 @@ def check_early(cfg) -> list[str]:
             "early stopping decides at each evaluation, and trainer.eval_steps=0 evaluates only at the end: set "
             "trainer.eval_steps (e.g. 8)."
         )
+    if t.eval_temperature is not None and not (t.eval_temperature > 0 and math.isfinite(t.eval_temperature)):
+        problems.append(
+            f"trainer.eval_temperature={t.eval_temperature} must be > 0, or null (the sampler's temperature); "
+            "greedy accuracy is always reported."
+        )
+    elif t.eval_temperature is not None and not t.eval_samples:
+        problems.append(
+            f"trainer.eval_temperature={t.eval_temperature} sets the sampled evaluation's temperature, and "
+            "trainer.eval_samples=0 samples none: set trainer.eval_samples (e.g. 4)."
+        )
     if t.eval_start < 0:
         problems.append(
             f"trainer.eval_start={t.eval_start} must be >= 0 (the first step evaluated during the run)."

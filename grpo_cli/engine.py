@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from grpo_cli import checkpoint as ckpt
-from grpo_cli import early, fit, guards, stages
+from grpo_cli import early, fit, guards, replay, stages
 from grpo_cli import step as phases
 from grpo_cli.build import Parts
 from grpo_cli.config import Config
@@ -97,8 +97,10 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             t0 = time.perf_counter()
             fit.reset_peak(learner.device)  # (the step's peak memory: memory/peak_gib)
 
-            # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal).
+            # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal);
+            #    trainer.replay reads them back instead. trainer.save_rollouts keeps them as the update reads them.
             sampled = rollouts.draw(step)
+            run.keep_rollouts(step, sampled)
             if sampled.train is None:  # dynamic sampling found no group with signal: skip the update
                 _no_group(step, t.max_sampling_tries, health, log)
                 continue
@@ -108,8 +110,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             #    (zero-std ones left out but on the first step, whose self-check compares every row);
             #    the reference's and the teacher's log-probs; num_iterations updates (an optimizer step
             #    each, skipped when the loss or gradient is not finite, or there is no signal).
-            first = t.self_check and step == 1  # (GRPO's first step, resumed from the warm-up or not)
-            stepped = learner.step(sampled.train, first)
+            stepped = learner.step(sampled.train, sampled.first)
             updated = stepped.updated
             for note in updated.notes:  # (the first step's self-check)
                 log.print(note)
@@ -151,6 +152,9 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         sizes = {"eval": len(parts.eval_examples), "eval_wide": len(parts.wide_eval_examples)}
         stages.say_points(log, points, last_row, sizes)
         run.say_best(last_row)
+        if rollouts.saved is not None and d.is_main:  # a replay: its weights against the original's
+            if said := replay.compare_weights(rollouts.saved.run_dir, path, ended):
+                log.print(said)
     return last_row
 
 
@@ -207,6 +211,20 @@ class _Run:
             mismatch_tolerance=parts.rollouts.sampler.tolerance[0],
         )
         self.resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
+        self.rollout_writer = (  # trainer.save_rollouts (not in a replay: it reads them)
+            replay.RolloutWriter(
+                run_dir,
+                names=[spec.name for spec in parts.rollouts.rewards],
+                weights=[spec.weight for spec in parts.rollouts.rewards],
+                world_size=parts.dist.world_size,
+                device=parts.learner.device,
+                fit=parts.state.fit,
+                config_yaml=config_yaml,
+                start_step=start_step,
+            )
+            if t.save_rollouts and parts.rollouts.saved is None
+            else None
+        )
         self._said_over_plan = False  # (memory: the step's peak over auto's plan, said once)
         self._said_best_sharded = False
         group_by = cfg.data.eval_group_by
@@ -247,6 +265,12 @@ class _Run:
         else:
             log.advance(step)
         return row
+
+    def keep_rollouts(self, step: int, sampled: phases.Sampled) -> None:
+        """trainer.save_rollouts: the step's scored rollouts and every rank's generator state, right
+        before the update reads them (replay.RolloutWriter)."""
+        if self.rollout_writer is not None:
+            self.rollout_writer.write(step, sampled, self.parts.dist, self.cfg.trainer.seed)
 
     def memory(self, step: int) -> dict[str, float]:
         """The step's peak memory (memory/peak_gib: the process's peak resident set on a CPU, the
@@ -447,7 +471,9 @@ def _completion_records(
 
     values = [floats(column) for column in batch.reward_values[:n].T]  # [R][n]
     completions = Completions(
-        prompts=[sampled.examples[i].prompt for i in batch.prompt_index[:n].tolist()],
+        prompts=[sampled.examples[i].prompt for i in batch.prompt_index[:n].tolist()]
+        if sampled.examples
+        else decode_completions(tokenizer, r.prompt_ids[:n], r.prompt_mask[:n]),  # (a replay: from its ids)
         texts=texts,
         reward_values={
             name: [None if math.isnan(v) else v for v in column]

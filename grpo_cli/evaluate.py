@@ -29,18 +29,22 @@ def grade(
     greedy: bool = True,
     prompts_per_call: int = 32,
     seeds: list[int] | None = None,
+    temperature: float | None = None,
 ) -> Scored | None:
     """Each example's `num_generations` completions (or episodes) drawn by `path` (its sampler's
     settings, or greedy: argmax), `prompts_per_call` prompts to one draw, scored by `rewards` into one record
     (scored.Scored: rows in example order, prompt_index into `examples`); None without examples.
     seeds: each example's sampling seed (sampled draws that must not depend on the chunking or
-    the process count: pass_rates); None: the sampler's own."""
+    the process count: pass_rates); None: the sampler's own. temperature: the sampled draws'
+    (None: the sampler's sampler.temperature)."""
     parts, G = [], num_generations
     with path.sampler.sampling():  # (every process, even one with an empty shard: FSDP2 gathers)
         for start in range(0, len(examples), prompts_per_call):
             chunk = examples[start : start + prompts_per_call]
             chunk_seeds = None if seeds is None else seeds[start : start + prompts_per_call]
-            drawn = path.draw_for_scoring(chunk, seeds=chunk_seeds, num_generations=G, greedy=greedy)
+            drawn = path.draw_for_scoring(
+                chunk, seeds=chunk_seeds, num_generations=G, greedy=greedy, temperature=temperature
+            )
             scored = path.score(drawn, chunk, rewards, tokenizer)
             parts.append(replace(scored, prompt_index=scored.prompt_index + start))
     return concat(parts, tokenizer.pad_token_id) if parts else None
@@ -73,6 +77,7 @@ def evaluate(
     groups: list[str] = (),
     samples: int = 0,
     seeds: list[int] | None = None,
+    temperature: float | None = None,
 ) -> dict[str, float]:
     """`eval/reward` (weighted total) and `eval/accuracy` (the accuracy rule, Scored.accuracy:
     the share of the rows the correctness reward applies to that pass; only when a correctness
@@ -82,10 +87,11 @@ def evaluate(
     same list on every process). `prefix` names the set (eval, eval_wide).
     reduce: sums a list of floats over the processes that evaluate a shard each
     (distributed.Dist.sum): the means are then over every shard.
-    samples k >= 1: `samples` completions of each prompt with the sampler's settings (seeds: each
-    prompt's sampling seed) instead of one greedy one, reported as `<prefix>/pass@1` (the accuracy
-    rule over the sampled rows) and `<prefix>/pass@k` (the share of prompts with a counted row that
-    passes), per group too; no `<prefix>/accuracy` nor `<prefix>/reward` (those names are greedy's)."""
+    samples k >= 1: `samples` completions of each prompt with the sampler's settings, at
+    `temperature` where given (trainer.eval_temperature; seeds: each prompt's sampling seed),
+    instead of one greedy one, reported as `<prefix>/pass@1` (the accuracy rule over the sampled
+    rows) and `<prefix>/pass@k` (the share of prompts with a counted row that passes), per group
+    too; no `<prefix>/accuracy` nor `<prefix>/reward` (those names are greedy's)."""
     if samples:
         graded = grade(
             path,
@@ -96,6 +102,7 @@ def evaluate(
             greedy=False,
             prompts_per_call=max(1, batch_size // samples),
             seeds=seeds,
+            temperature=temperature,
         )
         return _sampled_metrics(graded, examples, rewards, reduce, prefix, group_by, groups, samples)
     graded = grade(path, tokenizer, examples, rewards, prompts_per_call=batch_size)

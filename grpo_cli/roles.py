@@ -41,6 +41,7 @@ class Rollouts:
     stream: Any
     dist: Dist
     device: Any
+    saved: Any = None  # replay.Saved under trainer.replay: the steps are read, not sampled
 
     @property
     def path(self) -> RolloutPath:
@@ -48,7 +49,10 @@ class Rollouts:
         return RolloutPath(self.sampler, self.episodes)
 
     def draw(self, step: int) -> phases.Sampled:
-        """The step's groups, sampled and scored (step.sample_and_score)."""
+        """The step's groups, sampled and scored (step.sample_and_score); under trainer.replay, the
+        original run's, read back with the generator state its update started from (replay.Saved)."""
+        if self.saved is not None:
+            return self.saved.draw(step, self.device, self.dist.rank)
         return phases.sample_and_score(step, self)
 
     def grade(
@@ -71,7 +75,8 @@ class Rollouts:
         self, examples: list, prefix: str, groups: list[str], samples: int = 0, seeds: list[int] | None = None
     ) -> dict[str, float]:
         """grpo-train's eval/ metrics of this rank's share of a held-out set (evaluate.evaluate):
-        greedy, or `samples` sampled completions a prompt (seeds: each prompt's)."""
+        greedy, or `samples` sampled completions a prompt (seeds: each prompt's) at
+        trainer.eval_temperature (null: the sampler's temperature)."""
         return evaluate(
             self.path,
             self.tokenizer,
@@ -83,6 +88,7 @@ class Rollouts:
             groups=groups,
             samples=samples,
             seeds=seeds,
+            temperature=self.cfg.trainer.eval_temperature if samples else None,
         )
 
     def close(self) -> None:

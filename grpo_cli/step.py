@@ -67,6 +67,9 @@ class Sampled:
     resampled_groups: int = 0
     rescued_groups: int = 0
     seconds: Mapping[str, float] = field(default_factory=lambda: {"rollout": 0.0, "reward": 0.0})
+    # GRPO's first step under trainer.self_check: its self-check compares every row, zero-std
+    # groups included (a replay reads it from the saved step).
+    first: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ def sample_and_score(step: int, rollouts) -> Sampled:
         resampled_groups=resampled,
         rescued_groups=rescued,
         seconds=seconds,
+        first=t.self_check and step == 1,  # (GRPO's first step, resumed from the warm-up or not)
     )
 
 

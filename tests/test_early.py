@@ -185,3 +185,56 @@ def test_sampled_evaluation_reports_pass_at_k_and_leaves_training_alone(compose,
         assert same == {k: b[k] for k in same}, (a, b)
     weights = [_weights(tmp_path / str(k) / "checkpoints" / "step-000002") for k in (0, 2)]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.eval_temperature=0", "trainer.eval_samples=2"], "must be > 0"),
+        (["trainer.eval_temperature=0.5"], "set trainer.eval_samples"),
+    ],
+)
+def test_the_eval_temperature_is_checked(compose, overrides, message):
+    from grpo_cli.config import validate
+
+    problems = validate(compose(["model=tiny", *overrides]))
+    assert any(message in p for p in problems), problems
+
+
+def test_the_sampled_evaluation_draws_at_its_own_temperature(compose):
+    """trainer.eval_temperature reaches the sampler's draw: near 0 the seeded samples are the
+    greedy completions, token for token; at the sampler's own temperature (1.0) on the untrained
+    tiny model they are not."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.build import build_data, read_data
+    from grpo_cli.config import to_typed
+    from grpo_cli.environments.path import RolloutPath
+    from grpo_cli.evaluate import grade
+    from grpo_cli.models import build_tiny, load_tokenizer, resolve_source
+    from grpo_cli.precision import resolve_precision
+    from grpo_cli.rewards import Reward, RewardSpec
+    from grpo_cli.samplers import Context, build_sampler
+
+    cfg = to_typed(compose(["model=tiny", "data.eval_size=6", "sampler.max_new_tokens=6"]))
+    tok = load_tokenizer(resolve_source("builtin:tiny"))
+    held_out = build_data(cfg, read_data(cfg), tok).eval
+    model = AutoModelForCausalLM.from_pretrained(build_tiny())
+    context = Context(
+        model,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        precision=resolve_precision("fp32", model.device),
+        fast_decode=True,
+    )
+    path = RolloutPath(build_sampler(cfg.sampler, context))
+    rewards = [RewardSpec("zero", Reward("zero", fn=lambda completions, **kw: [0.0] * len(completions)), 1.0)]
+    seeds = list(range(len(held_out)))
+
+    def ids(**how):
+        graded = grade(path, tok, held_out, rewards, num_generations=2, seeds=seeds, **how)
+        return graded.rollout.completion_ids
+
+    greedy = ids(greedy=True)
+    assert torch.equal(ids(greedy=False, temperature=1e-4), greedy)
+    assert not torch.equal(ids(greedy=False), greedy)

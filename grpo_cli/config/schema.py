@@ -283,6 +283,9 @@ class TrainerConfig:
     # Each evaluation also samples this many completions a prompt with the sampler's settings:
     # <set>/pass@1 and <set>/pass@k beside greedy accuracy (0: greedy only; it costs k greedy runs).
     eval_samples: int = 0
+    # The sampled evaluation's temperature (eval_samples > 0); null: sampler.temperature, the
+    # training's. Greedy accuracy is unaffected.
+    eval_temperature: Optional[float] = None
     # Evaluation that decides (grpo_cli/early.py), read on data.val_size's validation set at each
     # evaluation: the metric (higher is better) whose best step is kept as checkpoints/best
     # (weights or adapter, config, tokenizer, best.json; no optimizer state), and early stopping:
@@ -319,6 +322,13 @@ class TrainerConfig:
     # collapse, KL, clip ratio, sampler/trainer mismatch; each said once with its fix.
     health_checks: bool = True
     resume: Optional[str] = None  # None | auto | a checkpoint folder
+    # Saved rollouts and replay (docs/replay.md, grpo_cli/replay.py): save_rollouts writes each
+    # step's scored rollouts to <run>/rollouts/ (a safetensors file a step and index.json) as the
+    # update reads them; replay names such a run's folder and runs its updates again from them,
+    # without sampling or rewards (on the CPU, with the original's thread count and processes: the
+    # same config gives the same weights bit for bit; another loss config is said as a difference).
+    save_rollouts: bool = False
+    replay: Optional[str] = None
     keep_last: int = 2
     quiet: bool = False
     # A step whose loss or gradient is not finite skips its optimizer update; this many in a row

@@ -141,6 +141,10 @@ def validate(cfg: Any, *, unused_ok: bool = False) -> list[str]:
         problems.append(f"trainer.device={tr.device!r} must be auto, cpu, cuda or cuda:N.")
     if tr.resume not in (None, "auto") and not str(tr.resume).strip():
         problems.append("trainer.resume is empty; use auto, a checkpoint folder, or null.")
+    if tr.replay is not None and not str(tr.replay).strip():
+        problems.append(
+            "trainer.replay is empty; name the folder of a run saved with trainer.save_rollouts=true, or null."
+        )
     problems += trackers.check_report_to(list(tr.report_to))
     problems += data.check_data(cfg.data)
     if not str(cfg.model.name_or_path).strip():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -158,7 +158,17 @@ class Episodes:
 
     # ------------------------------------------------------------------ the episodes
 
-    def run(self, sampler: Sampler, examples, *, seeds, num_generations: int, greedy=False, ignore_eos=False):
+    def run(
+        self,
+        sampler: Sampler,
+        examples,
+        *,
+        seeds,
+        num_generations: int,
+        greedy=False,
+        ignore_eos=False,
+        temperature: float | None = None,
+    ):
         """The G episodes of each example (data.Example), as one rollout (rows grouped by example)
         with, beside it, the prompts their resets made and (keep_open) their open environments
         (rollout.Drawn).
@@ -176,7 +186,10 @@ class Episodes:
                 session = sampler.session(prompts, 1)
                 if seeds is not None:
                     seeds = [turn_seed(seeds[n // G], n % G, 0) for n in range(len(prompts))]
-            self._turns(session, episodes, rules, seeds if shared else None, seeds, G, greedy, ignore_eos)
+            how = Turn(
+                None, greedy, ignore_eos, 0, [], temperature
+            )  # (each turn's seeds, width, stops: _turns)
+            self._turns(session, episodes, rules, seeds if shared else None, seeds, G, how)
             env_reward = [self._episode_reward(e) for e in episodes]
         except BaseException:
             self._close(episodes)
@@ -220,9 +233,11 @@ class Episodes:
         first = next((e.env for e in episodes if e.env is not None), None)
         return EpisodeRules.declared(self.cfg, self.max_new_tokens, () if first is None else (first,))
 
-    def _turns(self, session, episodes, rules, prompt_seeds, row_seeds, G, greedy, ignore_eos) -> None:
+    def _turns(self, session, episodes, rules, prompt_seeds, row_seeds, G, drawing: Turn) -> None:
         """The episodes' turns, until every one has ended or max_turns. prompt_seeds: one per
-        prompt (turn 0 of a shared prompt); row_seeds: one per episode otherwise."""
+        prompt (turn 0 of a shared prompt); row_seeds: one per episode otherwise. drawing: how
+        every turn draws (greedy, ignore_eos, temperature)."""
+        greedy = drawing.greedy
         live = list(range(len(episodes)))
         seeds = prompt_seeds if prompt_seeds is not None else row_seeds
         for turn in range(rules.max_turns):
@@ -235,13 +250,13 @@ class Episodes:
                 elif not greedy and row_seeds is not None:
                     turn_seeds = [turn_seed(row_seeds[n], 0, turn) for n in live]
             width = max(1, min(rules.max_new_tokens, max(room)))
-            how = Turn(turn_seeds, greedy, ignore_eos, width, list(rules.stop))
+            how = replace(drawing, seeds=turn_seeds, max_new_tokens=width, stop=list(rules.stop))
             drawn = session.turn(live, [episodes[n].ids for n in live], how)
             last = turn == rules.max_turns - 1
             live = [
                 n
                 for k, n in enumerate(live)
-                if self._play(episodes[n], drawn[k], room[k], rules, last=last, ignore_eos=ignore_eos)
+                if self._play(episodes[n], drawn[k], room[k], rules, last=last, ignore_eos=drawing.ignore_eos)
             ]
             if not live:
                 break

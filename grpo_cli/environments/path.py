@@ -25,11 +25,12 @@ def run_episodes(
     num_generations: int,
     greedy: bool = False,
     ignore_eos: bool = False,
+    temperature: float | None = None,
 ) -> Drawn:
     """The rollout of a batch of data.Example, rows grouped by example, with what its rewards read
     beside it (rollout.Drawn): `episodes`' (an environment's) when given, else one turn each, the
     sampler's plain call (num_generations completions of each prompt). seeds: one per example
-    (Sampler.generate's)."""
+    (Sampler.generate's); temperature: this draw's (None: the sampler's)."""
     if episodes is None:
         return Drawn(
             sampler.generate(
@@ -38,10 +39,18 @@ def run_episodes(
                 num_generations=num_generations,
                 greedy=greedy,
                 ignore_eos=ignore_eos,
+                # (only when set: a sampler written before the keyword still draws at its own)
+                **({} if temperature is None else {"temperature": temperature}),
             )
         )
     return episodes.run(
-        sampler, examples, seeds=seeds, num_generations=num_generations, greedy=greedy, ignore_eos=ignore_eos
+        sampler,
+        examples,
+        seeds=seeds,
+        num_generations=num_generations,
+        greedy=greedy,
+        ignore_eos=ignore_eos,
+        temperature=temperature,
     )
 
 
@@ -60,7 +69,7 @@ class RolloutPath:
     episodes: Episodes | None = None
 
     def draw_for_scoring(
-        self, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False
+        self, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False, temperature=None
     ) -> Drawn:
         """The rollout and what its rewards read beside it (run_episodes); its open environments
         wait for score()."""
@@ -72,6 +81,7 @@ class RolloutPath:
             num_generations=num_generations,
             greedy=greedy,
             ignore_eos=ignore_eos,
+            temperature=temperature,
         )
 
     def draw(self, examples, *, seeds=None, num_generations: int, greedy=False, ignore_eos=False) -> Rollout:

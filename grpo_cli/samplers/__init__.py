@@ -94,6 +94,7 @@ class Sampler(Protocol):
         ignore_eos: bool = False,
         max_new_tokens: int | None = None,
         stop: list[str] | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         """`num_generations` completions of each prompt (token ids), a group's rows consecutive,
         as one rollout.Rollout (its num_generations set, trained_mask = attention_mask: every
@@ -103,6 +104,8 @@ class Sampler(Protocol):
         max_new_tokens: this call's budget (None: sampler.max_new_tokens; an episode's turn may
         have less). stop: strings that end a completion early, the token that completes one kept
         (an environment's tool tag); a sampler may also draw past one, the episode cuts there.
+        temperature: this call's (sampled evaluation's trainer.eval_temperature); None: the
+        sampler's sampler.temperature.
 
         The log-prob contract, the same for every backend: sampler_logps holds each sampled
         token's log-prob under the distribution it was drawn from, softmax(logits / temperature)

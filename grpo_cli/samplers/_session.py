@@ -25,6 +25,7 @@ class Turn:
     ignore_eos: bool
     max_new_tokens: int
     stop: list[str]
+    temperature: float | None = None  # None: the sampler's
 
 
 #: A row's turn: the tokens drawn and each one's log-prob (the samplers' contract).
@@ -53,7 +54,12 @@ class Reprefill:
 
     def turn(self, rows: list[int], histories: list[list[int]], how: Turn) -> list[Drawn]:
         kw = dict(
-            greedy=how.greedy, ignore_eos=how.ignore_eos, max_new_tokens=how.max_new_tokens, stop=how.stop
+            greedy=how.greedy,
+            ignore_eos=how.ignore_eos,
+            max_new_tokens=how.max_new_tokens,
+            stop=how.stop,
+            # (only when set: a sampler written before the keyword still draws at its own)
+            **({} if how.temperature is None else {"temperature": how.temperature}),
         )
         if self.turns == 0:
             if list(rows) != list(range(len(self.prompts) * self.G)):

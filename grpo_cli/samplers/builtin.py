@@ -127,6 +127,7 @@ class BuiltinSampler:
         ignore_eos: bool = False,
         max_new_tokens: int | None = None,
         stop: list[str] | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         s = self.cfg
         stopped = self._stopped(stop)
@@ -136,7 +137,7 @@ class BuiltinSampler:
                 prompts,
                 num_generations=num_generations,
                 max_new_tokens=max_new_tokens or s.max_new_tokens,
-                temperature=s.temperature,
+                temperature=s.temperature if temperature is None else temperature,
                 top_p=s.top_p,
                 top_k=s.top_k,
                 eos_ids=[] if ignore_eos else self.eos_ids,
@@ -157,10 +158,12 @@ class BuiltinSampler:
             return Reprefill(self, prompts, num_generations)
         return Session(self, prompts, num_generations)
 
-    def _decoding(self, greedy: bool, ignore_eos: bool, stop: list[str] | None, device) -> Decoding:
+    def _decoding(
+        self, greedy: bool, ignore_eos: bool, stop: list[str] | None, device, temperature: float | None = None
+    ) -> Decoding:
         s = self.cfg
         return Decoding(
-            temperature=s.temperature,
+            temperature=s.temperature if temperature is None else temperature,
             top_p=s.top_p,
             top_k=s.top_k,
             eos=torch.tensor(
@@ -374,7 +377,7 @@ class Session:
                 else:
                     uniforms = torch.zeros((how.max_new_tokens, N), dtype=torch.float64, device=device)
                     uniforms[:, rows] = _uniforms(how.seeds, 1, how.max_new_tokens, device)
-            decoding = sp._decoding(how.greedy, how.ignore_eos, how.stop, device)
+            decoding = sp._decoding(how.greedy, how.ignore_eos, how.stop, device, how.temperature)
             out = _decode(
                 sp.policy,
                 st,

@@ -573,6 +573,7 @@ class VLLMSampler:
         ignore_eos: bool = False,
         max_new_tokens: int | None = None,
         stop: list[str] | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -584,7 +585,7 @@ class VLLMSampler:
         params = [
             SamplingParams(
                 n=num_generations,
-                temperature=0.0 if greedy else s.temperature,
+                temperature=0.0 if greedy else (s.temperature if temperature is None else temperature),
                 top_p=1.0 if greedy else s.top_p,
                 top_k=0 if greedy else s.top_k,
                 max_tokens=max_new_tokens or s.max_new_tokens,
