@@ -380,7 +380,7 @@ def build_front(
     training = run_dir is not None
     resume = resume_state(cfg, run_dir, _fsdp(cfg, d)) if training else Resume(None, None, [])
     train_rows, eval_rows = read_data(cfg)
-    train_rows, val_rows = validation_rows(train_rows, cfg.data.val_size, cfg.trainer.seed)
+    train_rows, val_rows = validation_rows(cfg.data, train_rows, cfg.trainer.seed)
     wide_rows = read_wide_eval(cfg)
     check_reward_columns(rewards, train_rows + eval_rows, cfg.data)
     seed_everything(cfg.trainer.seed)

@@ -139,3 +139,19 @@ def test_chat_on_a_run_without_checkpoints_says_so(tmp_path):
     res = _chat(tmp_path / "run", tmp_path, "-p", PROMPT)
     assert res.returncode == 2 and "without a checkpoint to talk to" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_chat_runs_an_episode_turn_by_turn_with_an_environment(runs, tmp_path):
+    """--environment: the message starts an episode of the environment (a class by import path), run
+    as training runs it, shown turn by turn with each turn's writer marked: the model's turn, the
+    tool's reply, the model's next turn."""
+    ckpt = runs["full"] / "checkpoints" / "step-000001"
+    res = _chat(ckpt, tmp_path, *ONE_SHOT, "--environment", "chat_environments:Lookup")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert [line.split("]")[0] + "]" for line in lines] == ["[assistant]", "[tool]", "[assistant]"], (
+        res.stdout
+    )
+    assert lines[1] == "[tool] looked up: 42"
+    again = _chat(ckpt, tmp_path, *ONE_SHOT, "--environment", "chat_environments:Lookup")
+    assert again.stdout == res.stdout  # (seeded)

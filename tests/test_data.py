@@ -348,3 +348,38 @@ def test_grpo_train_reports_held_out_accuracy_per_source(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in rows if "eval/accuracy" in r][-1]
     assert "eval/accuracy/adds" in final and "eval/accuracy/minus" in final, sorted(final)
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "file"])
+def test_the_validation_set_is_apart_from_training_and_held_out(tmp_path, source):
+    """data.val_size: arithmetic draws problems it neither trains on nor holds out, leaving its
+    training rows as they are without one; a file's validation rows are carved from its training
+    rows. Either way no validation row is a training or held-out row."""
+    from grpo_cli.data import validation_rows
+
+    kw = dict(eval_size=10, num_examples=50, max_operand=99, max_multiplier=12, operations=["+", "-", "*"])
+    if source == "file":
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(60)))
+        kw = dict(source="file", path=str(path), eval_size=10)
+    d = DataConfig(**kw, val_size=8)
+    train, held_out = read_rows(d, 0)
+    kept, val = validation_rows(d, train, 0)
+    assert len(val) == 8
+    prompts = lambda rows: {r["prompt"] for r in rows}  # noqa: E731
+    assert not prompts(val) & (prompts(kept) | prompts(held_out))
+    if source == "arithmetic":
+        assert kept == train == read_rows(DataConfig(**kw), 0)[0]  # the training rows unchanged
+    else:
+        assert len(kept) == len(train) - 8 and prompts(kept) | prompts(val) == prompts(train)
+
+
+def test_a_validation_set_the_arithmetic_space_cannot_hold_is_refused():
+    from grpo_cli.config.schema import DataConfig as D
+    from grpo_cli.data import arithmetic
+
+    d = D(num_examples=10, eval_size=5, val_size=20, max_operand=3, max_multiplier=2, operations=["+"])
+    problems = arithmetic.check(d)
+    assert any("data.num_examples + data.eval_size + data.val_size = 35 exceeds" in p for p in problems), (
+        problems
+    )

@@ -12,6 +12,13 @@ max_new_tokens) with the overrides on top, a LoRA checkpoint as its adapter on t
 no bit-exact sampler); `--greedy` takes the most likely token each step. Without a chat template
 each message is the model's whole prompt (no history). In a session: /reset clears the history,
 /exit (or Ctrl-D) quits.
+
+With an environment (`--environment calculator`, a preset, or `--environment my_pkg.envs:MyEnv`,
+as environment.fn; or the checkpoint's own, from its config) each message starts an episode, run as
+training runs it (the sampler and the environment's turns: environments.episodes), then shown turn
+by turn, each marked with who wrote it: `[assistant]` the model, `[tool]` a tool's result or an
+environment's reply inline, `[user]` an environment's message of its own. An episode is not
+streamed token by token, and has no history across messages.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from grpo_cli.environments import environment_factory
 from grpo_cli.errors import UserError, report_and_exit
 
 
@@ -114,6 +122,60 @@ def reply(model, tokenizer, text: str, device, settings: dict, stream) -> str:
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+def environment_override(name: str) -> str:
+    """--environment NAME: a preset (environment=calculator) or, with a dot or colon, a class by
+    import path (environment.fn=my_pkg.envs:MyEnv)."""
+    return f"environment.fn={name}" if ("." in name or ":" in name) else f"environment={name}"
+
+
+def episode(cfg, model, tokenizer, prompt: str, settings: dict, seed: int, stream) -> list[dict]:
+    """One episode of cfg's environment on `prompt` (a row whose prompt column is it), drawn by the
+    built-in sampler with `settings` and the environment's own turns, then written to `stream` turn
+    by turn, each marked with its writer; the turns as {role, content} messages."""
+    import dataclasses
+
+    from grpo_cli.build import eos_token_ids
+    from grpo_cli.data import Formatting, to_examples
+    from grpo_cli.environments.episodes import environment_episodes
+    from grpo_cli.environments.path import RolloutPath
+    from grpo_cli.precision import resolve_precision
+    from grpo_cli.rewards import conversation
+    from grpo_cli.samplers import Context, build_sampler
+
+    greedy = settings["temperature"] <= 0
+    sampling = dataclasses.replace(
+        cfg.sampler,
+        backend="builtin",  # (a chat needs no engine of its own)
+        options={},
+        max_new_tokens=settings["max_new_tokens"],
+        temperature=1.0 if greedy else settings["temperature"],
+        num_generations=1,
+    )
+    eos = eos_token_ids(tokenizer, model)
+    device = next(model.parameters()).device
+    precision = resolve_precision(cfg.trainer.precision, device, adapted=cfg.adapter.name != "none")
+    context = Context(model, eos_ids=eos, pad_id=tokenizer.pad_token_id, precision=precision, seed=seed)
+    sampler = build_sampler(sampling, dataclasses.replace(context, tokenizer=tokenizer))
+    episodes = environment_episodes(cfg, tokenizer=tokenizer, eos_ids=eos, pad_id=tokenizer.pad_token_id)
+    examples = to_examples(
+        [{cfg.data.prompt_column: prompt}],
+        tokenizer,
+        Formatting.of(cfg.data, cfg.sampler.max_prompt_length),
+        "the prompt",
+    )
+    try:
+        rollout = RolloutPath(sampler, episodes).draw(
+            examples, seeds=[seed], num_generations=1, greedy=greedy
+        )
+    finally:
+        sampler.close()
+    turns = conversation(tokenizer, rollout.completion_ids[0], rollout.roles[0])
+    for turn in turns:
+        stream.write(f"[{turn['role']}] {turn['content']}\n")
+    stream.flush()
+    return turns
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="grpo-chat",
@@ -132,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", action="store_true", help="the most likely token each step")
     parser.add_argument("--seed", type=int, help="the sampling seed (default: trainer.seed)")
     parser.add_argument(
+        "--environment",
+        help="run each message as an episode of this environment, shown turn by turn: a preset "
+        "(calculator, feedback) or a class by import path (default: the checkpoint's own, if any)",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         help="Hydra key=value overrides as for grpo-train (e.g. data.system_prompt=...)",
@@ -148,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.temperature is not None and args.temperature < 0:
             raise UserError(f"--temperature {args.temperature:g} must be >= 0 (0: greedy).")
         chosen, checkpoint = resolve_target(args.target)
+        if args.environment:
+            chosen.append(environment_override(args.environment))
         cfg = typed_config(chosen + list(args.overrides), checkpoint=checkpoint)
         s = cfg.sampler
         settings = {
@@ -159,13 +228,16 @@ def main(argv: list[str] | None = None) -> int:
             "top_k": s.top_k,
         }
         model, tokenizer, device = load(cfg, console.print)
+        multi_turn = environment_factory(cfg.environment) is not None
+        seed = cfg.trainer.seed if args.seed is None else args.seed
+        if multi_turn and args.prompt is not None:
+            episode(cfg, model, tokenizer, args.prompt, settings, seed, sys.stdout)
+            return 0
     except UserError as exc:
         report_and_exit("grpo-chat", [str(exc)])
     import torch
 
-    torch.manual_seed(
-        cfg.trainer.seed if args.seed is None else args.seed
-    )  # (after loading: the first reply's draw)
+    torch.manual_seed(seed)  # (after loading: the first reply's draw)
     if args.prompt is not None:
         text = prompt_text([{"role": "user", "content": args.prompt}], tokenizer, cfg)
         reply(model, tokenizer, text, device, settings, sys.stdout)
@@ -174,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         f"up to {settings['max_new_tokens']} tokens a reply, "
         + ("greedy" if settings["temperature"] <= 0 else f"temperature {settings['temperature']:g}")
-        + ("" if templated else "; no chat template: each message alone, no history")
+        + ("" if templated or multi_turn else "; no chat template: each message alone, no history")
+        + ("; each message an episode of the environment, shown turn by turn" if multi_turn else "")
         + ". /reset clears the history, /exit or Ctrl-D quits."
     )
     messages: list[dict] = []
@@ -190,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
             messages = []
             continue
         if not line.strip():
+            continue
+        if multi_turn:
+            try:
+                episode(cfg, model, tokenizer, line, settings, seed, sys.stdout)
+            except UserError as exc:  # (an environment that raises: said, and the session goes on)
+                console.print(f"grpo-chat: {exc}")
             continue
         messages.append({"role": "user", "content": line})
         answer = reply(model, tokenizer, prompt_text(messages, tokenizer, cfg), device, settings, sys.stdout)

@@ -43,9 +43,10 @@ class DataConfig:
     # Split to evaluate on; None carves `eval_size` held-out rows off the training split.
     eval_split: Optional[str] = None
     eval_size: int = 200
-    # A validation set for trainer.best_metric (checkpoints/best, early stopping): this many rows
-    # carved from the training rows (never trained on), apart from the held-out set the run
-    # reports. 0: none.
+    # A validation set for trainer.best_metric (checkpoints/best, early stopping): this many rows,
+    # never trained on, apart from the held-out set the run reports: problems the built-in
+    # arithmetic draws apart (its training rows unchanged), else carved from the training rows.
+    # 0: none.
     val_size: int = 0
     prompt_column: str = "prompt"
     system_prompt: Optional[str] = None

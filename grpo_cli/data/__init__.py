@@ -43,12 +43,14 @@ class Facts:
     the rewards that score it, its correctness reward first; demonstration(columns) -> the
     completion that answers a row (its columns besides the prompt) in the form its correctness
     reward checks, or None where it has none: what sft=demonstrations trains on (grpo_cli/sft.py;
-    None: the source writes none, give sft.path)."""
+    None: the source writes none, give sft.path); validation(d, seed) -> data.val_size rows of
+    problems it neither trains on nor holds out (None: they are carved from the training rows)."""
 
     wide_eval: Callable[[Any, int], list[dict]] | None = None
     max_new_tokens: int = 256
     rewards: tuple[str, ...] = ("accuracy",)
     demonstration: Callable[[dict], str | None] | None = None
+    validation: Callable[[Any, int], list[dict]] | None = None
 
 
 def completion_column(columns: dict) -> str | None:
@@ -206,12 +208,17 @@ def _to_examples(rows: list[dict], tokenizer, f: Formatting, where: str) -> tupl
     return examples, dropped, truncated
 
 
-def validation_rows(rows: list[dict], size: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(training rows, validation rows): data.val_size rows drawn by `seed` from the training rows
-    (the rest keep their order), for trainer.best_metric; never trained on, apart from the held-out
-    set. size 0: none."""
+def validation_rows(d, rows: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, validation rows) for trainer.best_metric, never trained on, apart from the
+    held-out set: data.val_size rows the source draws apart (its facts.validation: the training
+    rows unchanged), else drawn by `seed` from the training rows (the rest keep their order).
+    data.val_size 0: none."""
+    size = d.val_size
     if size <= 0:
         return rows, []
+    apart = plugin(d.source).facts.validation
+    if apart is not None:
+        return rows, apart(d, seed)
     if size >= len(rows):
         raise UserError(
             f"data.val_size={size} takes every training row ({len(rows)}): carve fewer (e.g. {max(1, len(rows) // 10)}), "

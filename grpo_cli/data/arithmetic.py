@@ -38,8 +38,12 @@ def arithmetic_rows(
     max_multiplier: int,
     operations: list[str],
     seed: int,
+    val_size: int = 0,
 ) -> tuple[list[dict], list[dict]]:
-    """Unique "What is a plus b?" problems; the eval rows never appear in the training rows."""
+    """Unique "What is a plus b?" problems; the eval rows never appear in the training rows.
+    val_size > 0: (those val_size rows drawn after them, unlike any of them, and []) instead: the
+    validation set, from the same generator, so the training and held-out rows are the same with
+    or without one."""
     bad = [op for op in operations if op not in OP_WORDS]
     if bad or not operations:
         raise UserError(
@@ -47,11 +51,11 @@ def arithmetic_rows(
         )
     rng = random.Random(seed)
     space = arithmetic_space(max_operand, max_multiplier, list(operations))
-    want = num_examples + eval_size
+    want = num_examples + eval_size + val_size
     if want > space:
         raise UserError(
-            f"data.num_examples + data.eval_size = {want} exceeds the {space} distinct "
-            "problems these operands allow; raise data.max_operand or ask for fewer."
+            f"data.num_examples + data.eval_size{' + data.val_size' if val_size else ''} = {want} exceeds the "
+            f"{space} distinct problems these operands allow; raise data.max_operand or ask for fewer."
         )
     seen: set[tuple] = set()
     rows = []
@@ -63,6 +67,8 @@ def arithmetic_rows(
             continue
         seen.add((a, op, b))
         rows.append(_arithmetic_row(a, op, b))
+    if val_size:
+        return rows[num_examples + eval_size :], []
     return rows[eval_size:], rows[:eval_size]
 
 
@@ -130,9 +136,10 @@ def check(d) -> list[str]:
 def _arithmetic_space_problems(d) -> list[str]:
     problems = []
     space = arithmetic_space(d.max_operand, d.max_multiplier, list(d.operations))
-    if space is not None and d.num_examples + d.eval_size > space:
+    if space is not None and d.num_examples + d.eval_size + max(d.val_size, 0) > space:
         problems.append(
-            f"data.num_examples + data.eval_size = {d.num_examples + d.eval_size} exceeds the {space} "
+            f"data.num_examples + data.eval_size{' + data.val_size' if d.val_size > 0 else ''} = "
+            f"{d.num_examples + d.eval_size + max(d.val_size, 0)} exceeds the {space} "
             f"distinct problems that data.max_operand={d.max_operand}, data.max_multiplier="
             f"{d.max_multiplier} and data.operations allow; raise max_operand or ask for fewer examples."
         )
@@ -157,6 +164,19 @@ def rows(d, seed: int) -> tuple[list[dict], list[dict]]:
         operations=list(d.operations),
         seed=seed,
     )
+
+
+def validation(d, seed: int) -> list[dict]:
+    """data.val_size problems drawn after the training and held-out ones, unlike any of them."""
+    return arithmetic_rows(
+        d.num_examples,
+        d.eval_size,
+        max_operand=d.max_operand,
+        max_multiplier=d.max_multiplier,
+        operations=list(d.operations),
+        seed=seed,
+        val_size=d.val_size,
+    )[0]
 
 
 def wide_rows(d, seed: int) -> list[dict]:
@@ -187,5 +207,6 @@ PLUGIN = Plugin(
         max_new_tokens=16,
         rewards=("accuracy", "format"),
         demonstration=lambda columns: columns.get("answer"),
+        validation=validation,
     ),
 )
