@@ -65,6 +65,27 @@ FAILED = ("failed", "interrupted")
 # ----------------------------------------------------------------------------- reading
 
 
+def best_line(run_dir: Path) -> str | None:
+    """A run's best step (checkpoints/best/best.json, chosen on the validation set) with the
+    held-out accuracy there and at the run's last evaluation: what the run reports for the
+    checkpoint it chose and for the one it ended with. None without a best checkpoint."""
+    path = Path(run_dir) / "checkpoints" / "best" / "best.json"
+    try:
+        record = json.loads(path.read_text())
+        metric, value, step = record["metric"], float(record["value"]), int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r and r.get("step", 0) > 0]
+    there = next((r["eval/accuracy"] for r in evals if r["step"] == step), None)
+    held = ""
+    if there is not None and evals:
+        held = (
+            f"; held-out accuracy there {there:.3f}, at the end (step {evals[-1]['step']}) "
+            f"{evals[-1]['eval/accuracy']:.3f}"
+        )
+    return f"{run_dir}: best step {step} ({metric} {value:.3f}){held}; {path.parent}"
+
+
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """The run's events (metrics.EVENTS_FILE), oldest first; [] for a run without any."""
     from grpo_cli.metrics import EVENTS_FILE

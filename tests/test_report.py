@@ -559,3 +559,28 @@ def test_a_run_logs_its_events_and_draws_its_timeline(compose, tmp_path):
     assert marks["zero_std"] == [1, 2, 3, 4, 5] and marks["health"] == sorted({h["step"] for h in health})
     assert_png(plots.draw_run(tmp_path))
     assert_png(tmp_path / plots.TIMELINE_PLOT)
+
+
+def test_grpo_report_gives_held_out_accuracy_at_the_best_step_and_at_the_end(tmp_path, capsys):
+    """A run with checkpoints/best (chosen on the validation set): grpo-report says its step and
+    metric, and the held-out accuracy there beside the last evaluation's."""
+    from grpo_cli.cli import report
+
+    run = tmp_path / "run"
+    best = run / "checkpoints" / "best"
+    best.mkdir(parents=True)
+    rows = [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 8, "reward": 0.5, "eval/accuracy": 0.5, "val/accuracy": 0.7},
+        {"step": 16, "reward": 0.6, "eval/accuracy": 0.45, "val/accuracy": 0.6},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (best / "best.json").write_text(json.dumps({"metric": "val/accuracy", "value": 0.7, "step": 8}))
+    report.main([str(run)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "best step 8 (val/accuracy 0.700); held-out accuracy there 0.500, at the end (step 16) 0.450" in out
+    ), out
+    (best / "best.json").unlink()
+    report.main([str(run)])
+    assert "best step" not in capsys.readouterr().out

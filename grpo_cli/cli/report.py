@@ -21,6 +21,7 @@ from grpo_cli.errors import EXIT_USER_ERROR, first_line
 from grpo_cli.metrics import METRICS_FILE
 from grpo_cli.samples import SAMPLES_FILE, read_records, records_table, shorten
 from grpo_cli.summary import (
+    best_line,
     is_run_dir,
     is_sweep_dir,
     jobs,
@@ -95,6 +96,8 @@ def report_runs(run_dirs: list[Path]) -> list[Path]:
     for run_dir in run_dirs:
         if not read_metrics(run_dir):
             print(f"{run_dir}: no metrics yet", flush=True)
+        if said := best_line(run_dir):  # (chosen on the validation set, reported on the held-out set)
+            print(said, flush=True)
         written.append(plots.draw_safely(plots.draw_run, run_dir, prog=PROG))
     return [p for p in written if p]
 
