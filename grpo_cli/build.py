@@ -499,7 +499,7 @@ def build_training(cfg: Config, run_dir: Path, console, d: Dist | None = None) -
     total_steps, state = length
     at, resume, fsdp = front.at, front.resume, _fsdp(cfg, d)
     saved = (  # trainer.replay: the saved rollouts, checked before any model loads
-        open_saved(cfg, front.rewards, at.device, d.world_size, console.print) if t.replay else None
+        open_saved(cfg, front.rewards, at.device, d.world_size, console.print, run_dir) if t.replay else None
     )
     if saved is not None and state.fit is None and saved.fit is not None:  # (auto: the original's budget)
         state.fit = saved.fit

@@ -63,7 +63,7 @@ _DTYPES |= {str(d): d for d in (torch.bfloat16, torch.float16, torch.int16, torc
 
 # Config keys that do not change an update (bookkeeping, evaluation, the data and the sampling the
 # saved rollouts replace): left out of the comparison a replay makes with the original's config.
-_NOT_COMPARED = ("data.", "environment.", "reward", "teacher.name_or_path")
+_NOT_COMPARED = ("data.", "environment.", "reward")
 _NOT_COMPARED_TRAINER = {
     "replay",
     "save_rollouts",
@@ -86,6 +86,11 @@ _NOT_COMPARED_TRAINER = {
     "distributed_timeout",
     "memory_limit_gib",
     "max_sampling_tries",
+    "max_bad_steps",
+    "eval_temperature",
+    "device",  # (checked: the CPU)
+    "num_processes",  # (checked: the original's)
+    "self_check",  # (the saved steps' own `first`)
 }
 
 
@@ -156,6 +161,10 @@ class RolloutWriter:
         entry = {
             "file": None,
             "rows": 0,
+            # (per step: a resume may run with another thread count, process count or device)
+            "threads": self.index["threads"],
+            "world_size": self.index["world_size"],
+            "device": self.index["device"],
             "first": bool(sampled.first),
             "groups": sampled.groups,
             "zero_std_groups": sampled.zero_std_groups,
@@ -225,6 +234,7 @@ class Saved:
     run_dir: Path
     index: dict
     reweigh: tuple[float, ...] | None = None  # the replay's reward weights where they differ
+    judged: bool = True  # a correctness reward decides `passed` (else the total > 0: reweighed too)
 
     @property
     def last_step(self) -> int:
@@ -249,7 +259,7 @@ class Saved:
         if entry["file"] is None:  # dynamic sampling kept no group: the original skipped the update
             return Sampled(train=None, drawn=None, first=entry["first"], **counts)
         tensors, metadata = _load(folder(self.run_dir) / entry["file"])
-        scored = _to(_scored(tensors, metadata, self.index, self.reweigh), device)
+        scored = _to(_scored(tensors, metadata, self.index, self.reweigh, self.judged), device)
         sampled = Sampled(train=scored, drawn=scored, first=entry["first"], **counts)
         torch.set_rng_state(tensors[f"rng_state.{rank}"])
         return sampled
@@ -276,7 +286,7 @@ def _load(path: Path) -> tuple[dict, dict]:
     return tensors, metadata
 
 
-def _scored(tensors: dict, metadata: dict, index: dict, reweigh) -> Scored:
+def _scored(tensors: dict, metadata: dict, index: dict, reweigh, judged: bool) -> Scored:
     rollout = Rollout(
         num_generations=int(metadata["num_generations"]),
         stat_names=tuple(json.loads(metadata["stat_names"])),
@@ -284,7 +294,11 @@ def _scored(tensors: dict, metadata: dict, index: dict, reweigh) -> Scored:
     )
     values = {name: tensors[name] for name in _SCORED}
     if reweigh is not None:  # the replay's reward weights: the totals again (rewards.scoring's sum)
-        values["totals"] = weighted_totals(values["values"], reweigh)
+        totals = weighted_totals(values["values"], reweigh)
+        # A row whose scoring failed kept a NaN total (its group left out of the loss): still so.
+        values["totals"] = torch.where(values["totals"].isnan(), values["totals"], totals)
+        if not judged:  # the pass rule without a correctness reward: the total > 0
+            values["passed"] = values["totals"] > 0
     return Scored(
         rollout=rollout, names=tuple(index["names"]), weights=tuple(reweigh or index["weights"]), **values
     )
@@ -306,11 +320,12 @@ def _to(scored: Scored, device) -> Scored:
     return to(scored, device) if torch.device(device).type != "cpu" else scored
 
 
-def open_saved(cfg, rewards, device, world_size: int, log) -> Saved:
+def open_saved(cfg, rewards, device, world_size: int, log, replay_dir: Path | None = None) -> Saved:
     """The saved rollouts of trainer.replay, checked before any model loads: the folder and its
     index, the device (CPU), the thread count and world size the original ran with, the rewards'
-    names (their weights may differ: the totals are recomputed), no warm-up or band to run; the
-    versions and the config compared with the original's (each difference said)."""
+    names (their weights may differ: the totals are recomputed), no warm-up or band to run, a
+    folder of its own (`replay_dir`); the versions and the config compared with the original's
+    (each difference said)."""
     run_dir = Path(cfg.trainer.replay).expanduser()
     path = folder(run_dir) / INDEX
     key = f"trainer.replay={cfg.trainer.replay}"
@@ -329,21 +344,35 @@ def open_saved(cfg, rewards, device, world_size: int, log) -> Saved:
             f"grpo-cli replays format {FORMAT} with at least one step. Run the original again with this version."
         )
     problems = []
-    if torch.device(device).type != "cpu":
+    steps = index["steps"].values()
+
+    def ran(key: str) -> set:  # what the saved steps ran with (per step: a resume may differ)
+        return {entry.get(key, index[key]) for entry in steps}
+
+    if torch.device(device).type != "cpu" or any(not str(d).startswith("cpu") for d in ran("device")):
         problems.append(
-            f"the replay runs on {device}; replay is offered on the CPU only (trainer.device=cpu), where "
+            f"the original ran on {', '.join(sorted(map(str, ran('device'))))} and the replay runs on {device}; "
+            "replay is offered on the CPU only, for rollouts saved on the CPU (trainer.device=cpu for both), where "
             "the same arithmetic in the same order gives the same bits"
         )
-    if torch.get_num_threads() != index["threads"]:
+    for fact, now, fix in (
+        ("threads", torch.get_num_threads(), "start the replay with OMP_NUM_THREADS={}"),
+        ("world_size", world_size, "set trainer.num_processes={}"),
+    ):
+        values = ran(fact)
+        if len(values) > 1:
+            problems.append(
+                f"the saved steps ran with different {fact.replace('_', ' ')} values {sorted(values)} (a resume "
+                "with another); a replay runs with one and cannot give every step its own"
+            )
+        elif values != {now}:
+            (value,) = values
+            what = "threads (a matrix product's sums split by thread)" if fact == "threads" else "processes"
+            problems.append(f"the original ran {value} {what}, this replay {now}; " + fix.format(value))
+    if replay_dir is not None and Path(replay_dir).resolve() == run_dir.resolve():
         problems.append(
-            f"this process runs {torch.get_num_threads()} threads, the original ran {index['threads']} "
-            "(a matrix product's sums split by thread); start the replay with "
-            f"OMP_NUM_THREADS={index['threads']}"
-        )
-    if world_size != index["world_size"]:
-        problems.append(
-            f"the replay runs {world_size} processes, the original {index['world_size']}; set "
-            f"trainer.num_processes={index['world_size']}"
+            "the replay would run in the original's own folder, writing over its checkpoints and metrics (and "
+            "comparing its weights with themselves); give the replay a folder of its own (hydra.run.dir=...)"
         )
     names = [spec.name for spec in rewards]
     if names != index["names"]:
@@ -371,7 +400,9 @@ def open_saved(cfg, rewards, device, world_size: int, log) -> Saved:
         )
     weights = [spec.weight for spec in rewards]
     reweigh = tuple(weights) if weights != index["weights"] else None
-    saved = Saved(run_dir, index, reweigh)
+    from grpo_cli.rewards import correctness
+
+    saved = Saved(run_dir, index, reweigh, judged=correctness(list(rewards)) is not None)
     differences = config_differences(run_dir, cfg)
     if reweigh is not None:
         differences.append(f"reward weights: {index['weights']} -> {weights} (the totals recomputed)")
@@ -446,6 +477,8 @@ def compare_weights(original_run: Path, replayed: Path, step: int) -> str | None
                 differ.append(key)
                 if key in a and key in b and a[key].shape == b[key].shape:
                     largest = max(largest, float((a[key].double() - b[key].double()).abs().max()))
+    if not total:
+        return None
     if not differ:
         return f"replay: step {step}'s weights equal the original's ({theirs}) bit for bit ({total} tensors)."
     return (

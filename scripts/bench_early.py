@@ -65,7 +65,9 @@ def rules_on(evals: list[dict], total: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, help="a run folder made with the overrides below (default: run one now)")
+    p.add_argument(
+        "--run", type=Path, help="a run folder made with the overrides below (default: run one now)"
+    )
     p.add_argument("--json", type=Path, help="write the result here (default scripts/results/early.json)")
     p.add_argument("extra", nargs="*", help="more grpo-train overrides")
     args = p.parse_args(argv)

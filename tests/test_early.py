@@ -226,6 +226,7 @@ def test_the_sampled_evaluation_draws_at_its_own_temperature(compose):
         pad_id=tok.pad_token_id,
         precision=resolve_precision("fp32", model.device),
         fast_decode=True,
+        tokenizer=tok,  # (an environment's stop strings)
     )
     path = RolloutPath(build_sampler(cfg.sampler, context))
     rewards = [RewardSpec("zero", Reward("zero", fn=lambda completions, **kw: [0.0] * len(completions)), 1.0)]
@@ -238,3 +239,43 @@ def test_the_sampled_evaluation_draws_at_its_own_temperature(compose):
     greedy = ids(greedy=True)
     assert torch.equal(ids(greedy=False, temperature=1e-4), greedy)
     assert not torch.equal(ids(greedy=False), greedy)
+
+    # An environment's episodes: every turn draws at the temperature given (Turn.temperature).
+    from grpo_cli.environments.episodes import environment_episodes
+
+    with_env = to_typed(
+        compose(["model=tiny", "sampler.max_new_tokens=6", "environment.fn=chat_environments:Lookup"])
+    )
+    path = RolloutPath(
+        path.sampler,
+        environment_episodes(with_env, tokenizer=tok, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id),
+    )
+    greedy = ids(greedy=True)
+    assert greedy.shape[1] > 4  # (turns of the model and the tool's reply)
+    assert torch.equal(ids(greedy=False, temperature=1e-4), greedy)
+    assert not torch.equal(ids(greedy=False), greedy)
+
+
+def test_the_eval_temperature_reaches_the_evaluation_of_a_run(compose, tmp_path):
+    """trainer.eval_temperature through grpo-train's evaluation: near 0 each sampled evaluation's
+    pass@1 is its greedy accuracy on every set (the samples are the greedy completions), while at the
+    sampler's temperature (the same run without the key) it is not."""
+    from grpo_cli.cli.train import train_config
+    from grpo_cli.summary import read_metrics
+
+    common = EARLY + [
+        "reward=[]",
+        "+reward.code.fn=reward_fixtures:char_code",
+        "+reward.code.role=correctness",
+        "trainer.max_steps=2",
+        "trainer.eval_samples=2",
+    ]
+    rows = {}
+    for name, extra in (("cold", ["trainer.eval_temperature=1e-4"]), ("own", [])):
+        (tmp_path / name).mkdir()
+        train_config(compose(common + extra), tmp_path / name)
+        rows[name] = [r for r in read_metrics(tmp_path / name) if "eval/pass@1" in r]
+    assert len(rows["cold"]) == 2
+    sets = ("eval", "eval_wide", "val")
+    assert all(row[f"{s}/pass@1"] == row[f"{s}/accuracy"] for row in rows["cold"] for s in sets), rows["cold"]
+    assert any(row[f"{s}/pass@1"] != row[f"{s}/accuracy"] for row in rows["own"] for s in sets), rows["own"]

@@ -85,6 +85,7 @@ def test_a_replay_ends_with_the_originals_weights_bit_for_bit(compose, tmp_path,
     )
     said = capsys.readouterr().out
     assert "replay: 3 saved steps (1-3)" in said and "bit for bit" in said, said
+    assert "differs from the original" not in said, said
     theirs, ours = (_weights(run / "checkpoints" / "step-000003") for run in (original, tmp_path / "replay"))
     assert theirs.keys() == ours.keys() and theirs
     assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
@@ -152,11 +153,27 @@ def test_the_saved_files(compose, tmp_path):
         ([[0.1, 0.2], [0.3, math.nan]], [1.0, 1.0], [0.1 + 0.2, 0.3]),  # Python's float sum, bit for bit
     ],
 )
-def test_totals_recomputed_under_new_weights(values, weights, totals):
+def test_totals_recomputed_under_new_weights(values, weights, totals):  # (weighted_totals alone)
     from grpo_cli.replay import weighted_totals
 
     got = weighted_totals(torch.tensor(values, dtype=torch.float64), weights).tolist()
     assert got == totals
+
+
+def test_new_weights_keep_a_failed_row_out_and_pass_by_the_new_totals(compose, tmp_path):
+    """Reweighed totals: each row's values under the new weights, but a row whose scoring failed
+    (its saved total NaN: its group left out of the loss) stays NaN; without a correctness reward
+    the pass rule (total > 0) follows the new totals."""
+    from grpo_cli import replay
+
+    original = _saved(compose, tmp_path)
+    index = json.loads((original / "rollouts" / "index.json").read_text())
+    tensors, metadata = replay._load(original / "rollouts" / "step-000001.safetensors")
+    tensors["totals"][0] = math.nan
+    scored = replay._scored(tensors, metadata, index, (-2.0,), judged=False)
+    values = tensors["values"][:, 0]
+    assert math.isnan(scored.totals[0]) and torch.equal(scored.totals[1:], -2.0 * values[1:])
+    assert torch.equal(scored.passed, scored.totals > 0) and not torch.equal(scored.passed, tensors["passed"])
 
 
 @pytest.mark.parametrize(
@@ -165,11 +182,13 @@ def test_totals_recomputed_under_new_weights(values, weights, totals):
         (None, ["trainer.replay={tmp}/nowhere"], "no saved rollouts there"),
         ({"threads": 7}, [], "start the replay with OMP_NUM_THREADS=7"),
         ({"world_size": 2}, [], "set trainer.num_processes=2"),
+        ({"device": "cuda:0"}, [], "replay is offered on the CPU only"),
+        (None, ["hydra.run.dir={original}"], "give the replay a folder of its own"),
         (None, ["reward=[format]"], "configure the original's rewards"),
         (None, ["data.pass_rate_band=[0.1,0.9]"], "remove it from the replay's command"),
         (None, ["model.revision=v2"], "the model differs from the original's"),
     ],
-    ids=["missing", "threads", "world-size", "rewards", "band", "model"],
+    ids=["missing", "threads", "world-size", "device", "same-folder", "rewards", "band", "model"],
 )
 def test_what_cannot_replay_is_refused_before_a_model_loads(
     compose, tmp_path, monkeypatch, edit, overrides, message
@@ -178,18 +197,22 @@ def test_what_cannot_replay_is_refused_before_a_model_loads(
     from grpo_cli.errors import UserError
 
     original = _saved(compose, tmp_path)
-    if edit:
+    if edit:  # (the run's facts are the index's and each step's)
         path = original / "rollouts" / "index.json"
-        path.write_text(json.dumps(json.loads(path.read_text()) | edit))
+        index = json.loads(path.read_text()) | edit
+        index["steps"] = {k: v | edit for k, v in index["steps"].items()}
+        path.write_text(json.dumps(index))
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model loaded")
 
     monkeypatch.setattr(build, "load_policy", no_model)
-    given = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    given = [o.replace("{tmp}", str(tmp_path)).replace("{original}", str(original)) for o in overrides]
     replay = [] if any(o.startswith("trainer.replay") for o in given) else [f"trainer.replay={original}"]
+    into = original if "hydra.run.dir" in " ".join(given) else tmp_path / "replay"
+    given = [o for o in given if not o.startswith("hydra.")]
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        _train(compose, [*BASE, *given, *replay], tmp_path / "replay")
+        _train(compose, [*BASE, *given, *replay], into)
 
 
 def test_replay_from_the_command_line(tmp_path):
@@ -201,6 +224,7 @@ def test_replay_from_the_command_line(tmp_path):
     again = grpo(
         [
             *BASE,
+            "trainer.save_rollouts=true",  # (the original's own command: a replay reads rollouts, writes none)
             f"trainer.replay={tmp_path / 'original'}",
             "trainer.quiet=false",
             f"hydra.run.dir={tmp_path / 'replay'}",

@@ -156,7 +156,12 @@ def episode(cfg, model, tokenizer, prompt: str, settings: dict, seed: int, strea
     precision = resolve_precision(cfg.trainer.precision, device, adapted=cfg.adapter.name != "none")
     context = Context(model, eos_ids=eos, pad_id=tokenizer.pad_token_id, precision=precision, seed=seed)
     sampler = build_sampler(sampling, dataclasses.replace(context, tokenizer=tokenizer))
-    episodes = environment_episodes(cfg, tokenizer=tokenizer, eos_ids=eos, pad_id=tokenizer.pad_token_id)
+    episodes = environment_episodes(  # (each turn's budget: --max-new-tokens)
+        dataclasses.replace(cfg, sampler=sampling),
+        tokenizer=tokenizer,
+        eos_ids=eos,
+        pad_id=tokenizer.pad_token_id,
+    )
     examples = to_examples(
         [{cfg.data.prompt_column: prompt}],
         tokenizer,
