@@ -97,8 +97,8 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
             t0 = time.perf_counter()
             fit.reset_peak(learner.device)  # (the step's peak memory: memory/peak_gib)
 
-            # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal);
-            #    trainer.replay reads them back instead. trainer.save_rollouts keeps them as the update reads them.
+            # 1. Sample G completions per prompt and score them (dynamic sampling: groups with signal;
+            #    trainer.replay: read back); trainer.save_rollouts keeps them as the update reads them.
             sampled = rollouts.draw(step)
             run.keep_rollouts(step, sampled)
             if sampled.train is None:  # dynamic sampling found no group with signal: skip the update
@@ -149,12 +149,7 @@ def _train(cfg: Config, parts: Parts, run_dir: Path, config_yaml: str, on_start)
         if health.seen:
             log.warn(health.summary())
         log.print(f"done: {ended} steps; final checkpoint {path}; metrics in {log.path}")
-        sizes = {"eval": len(parts.eval_examples), "eval_wide": len(parts.wide_eval_examples)}
-        stages.say_points(log, points, last_row, sizes)
-        run.say_best(last_row)
-        if rollouts.saved is not None and d.is_main:  # a replay: its weights against the original's
-            if said := replay.compare_weights(rollouts.saved.run_dir, path, ended):
-                log.print(said)
+        run.say_end(points, last_row, ended, path)
     return last_row
 
 
@@ -211,20 +206,7 @@ class _Run:
             mismatch_tolerance=parts.rollouts.sampler.tolerance[0],
         )
         self.resume_hint = f"Resume with the same command plus: hydra.run.dir={run_dir} trainer.resume=auto"
-        self.rollout_writer = (  # trainer.save_rollouts (not in a replay: it reads them)
-            replay.RolloutWriter(
-                run_dir,
-                names=[spec.name for spec in parts.rollouts.rewards],
-                weights=[spec.weight for spec in parts.rollouts.rewards],
-                world_size=parts.dist.world_size,
-                device=parts.learner.device,
-                fit=parts.state.fit,
-                config_yaml=config_yaml,
-                start_step=start_step,
-            )
-            if t.save_rollouts and parts.rollouts.saved is None
-            else None
-        )
+        self.rollout_writer = replay.writer(cfg, parts, run_dir, config_yaml)  # trainer.save_rollouts
         self._said_over_plan = False  # (memory: the step's peak over auto's plan, said once)
         self._said_best_sharded = False
         group_by = cfg.data.eval_group_by
@@ -342,6 +324,18 @@ class _Run:
                 state_dict=opt.masters.state_dict(policy) if opt.masters else None,
             )
         d.broadcast(path)
+
+    def say_end(self, points: dict, last_row: dict, ended: int, path: Path | None) -> None:
+        """The run's last lines: held-out accuracy before -> after (stages.say_points), the best step,
+        and a replay's final weights against the original's at the same step."""
+        parts = self.parts
+        sizes = {"eval": len(parts.eval_examples), "eval_wide": len(parts.wide_eval_examples)}
+        stages.say_points(self.log, points, last_row, sizes)
+        self.say_best(last_row)
+        saved = parts.rollouts.saved
+        if saved is not None and parts.dist.is_main:
+            if said := replay.compare_weights(saved.run_dir, path, ended):
+                self.log.print(said)
 
     def say_best(self, last_row: dict) -> None:
         """The run's last line on its best step: the metric there, and the held-out accuracy at that

@@ -36,8 +36,10 @@ import torch
 
 from grpo_cli.errors import UserError, first_line
 from grpo_cli.files import write_atomic
+from grpo_cli.rewards import correctness
+from grpo_cli.rewards.scoring import passes
 from grpo_cli.rollout import Rollout
-from grpo_cli.scored import Scored
+from grpo_cli.scored import Scored, to
 
 FOLDER = "rollouts"
 INDEX = "index.json"
@@ -111,6 +113,25 @@ def _versions() -> dict[str, str]:
 # ----------------------------------------------------------------------------- saving
 
 
+def writer(cfg, parts, run_dir: Path, config_yaml: str) -> RolloutWriter | None:
+    """A run's writer of its rollouts under trainer.save_rollouts (build.Parts: its rewards, ranks,
+    device, memory plan and the step it starts from); None when it saves none, or replays (a
+    replay reads rollouts and writes none)."""
+    if not cfg.trainer.save_rollouts or parts.rollouts.saved is not None:
+        return None
+    rewards = list(parts.rollouts.rewards)
+    return RolloutWriter(
+        run_dir,
+        names=[spec.name for spec in rewards],
+        weights=[spec.weight for spec in rewards],
+        world_size=parts.dist.world_size,
+        device=parts.learner.device,
+        fit=parts.state.fit,
+        config_yaml=config_yaml,
+        start_step=parts.state.step,
+    )
+
+
 class RolloutWriter:
     """trainer.save_rollouts: each step's scored rollouts, written by rank 0 (every rank gives its
     generator's state); the index rewritten atomically after each step's file is in place, so a
@@ -129,7 +150,7 @@ class RolloutWriter:
         start_step: int,
     ):
         self.root = folder(run_dir)
-        self.config_yaml, self.start_step = config_yaml, start_step
+        self.config_yaml = config_yaml  # (written with the first step: what a replay compares with)
         path = self.root / INDEX
         index = json.loads(path.read_text()) if path.is_file() and start_step else {}
         kept = {k: v for k, v in index.get("steps", {}).items() if int(k) <= start_step}  # (a resume's)
@@ -154,10 +175,10 @@ class RolloutWriter:
         states = dist.gather(torch.get_rng_state())
         if not dist.is_main:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        if not self.start_step or not (self.root / CONFIG).is_file():  # (what a replay compares with)
+        if self.config_yaml is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / CONFIG, self.config_yaml)
-            self.start_step = step
+            self.config_yaml = None
         entry = {
             "file": None,
             "rows": 0,
@@ -234,7 +255,7 @@ class Saved:
     run_dir: Path
     index: dict
     reweigh: tuple[float, ...] | None = None  # the replay's reward weights where they differ
-    judged: bool = True  # a correctness reward decides `passed` (else the total > 0: reweighed too)
+    judge: str | None = None  # the correctness reward's name (rewards.passes: the pass rule)
 
     @property
     def last_step(self) -> int:
@@ -259,7 +280,7 @@ class Saved:
         if entry["file"] is None:  # dynamic sampling kept no group: the original skipped the update
             return Sampled(train=None, drawn=None, first=entry["first"], **counts)
         tensors, metadata = _load(folder(self.run_dir) / entry["file"])
-        scored = _to(_scored(tensors, metadata, self.index, self.reweigh, self.judged), device)
+        scored = to(_scored(tensors, metadata, self.index, self.reweigh, self.judge), device)
         sampled = Sampled(train=scored, drawn=scored, first=entry["first"], **counts)
         torch.set_rng_state(tensors[f"rng_state.{rank}"])
         return sampled
@@ -286,7 +307,7 @@ def _load(path: Path) -> tuple[dict, dict]:
     return tensors, metadata
 
 
-def _scored(tensors: dict, metadata: dict, index: dict, reweigh, judged: bool) -> Scored:
+def _scored(tensors: dict, metadata: dict, index: dict, reweigh, judge: str | None) -> Scored:
     rollout = Rollout(
         num_generations=int(metadata["num_generations"]),
         stat_names=tuple(json.loads(metadata["stat_names"])),
@@ -297,8 +318,8 @@ def _scored(tensors: dict, metadata: dict, index: dict, reweigh, judged: bool) -
         totals = weighted_totals(values["values"], reweigh)
         # A row whose scoring failed kept a NaN total (its group left out of the loss): still so.
         values["totals"] = torch.where(values["totals"].isnan(), values["totals"], totals)
-        if not judged:  # the pass rule without a correctness reward: the total > 0
-            values["passed"] = values["totals"] > 0
+        columns = dict(zip(index["names"], values["values"].T.tolist()))  # (the pass rule reads them)
+        values["passed"] = torch.tensor(passes(columns, values["totals"].tolist(), judge), dtype=torch.bool)
     return Scored(
         rollout=rollout, names=tuple(index["names"]), weights=tuple(reweigh or index["weights"]), **values
     )
@@ -312,12 +333,6 @@ def weighted_totals(values: torch.Tensor, weights) -> torch.Tensor:
         applicable = [(w, v) for w, v in zip(weights, row) if v == v]  # (NaN: none)
         rows.append(float(sum(w * v for w, v in applicable)) if applicable else float("nan"))
     return torch.tensor(rows, dtype=torch.float64)
-
-
-def _to(scored: Scored, device) -> Scored:
-    from grpo_cli.scored import to
-
-    return to(scored, device) if torch.device(device).type != "cpu" else scored
 
 
 def open_saved(cfg, rewards, device, world_size: int, log, replay_dir: Path | None = None) -> Saved:
@@ -400,9 +415,8 @@ def open_saved(cfg, rewards, device, world_size: int, log, replay_dir: Path | No
         )
     weights = [spec.weight for spec in rewards]
     reweigh = tuple(weights) if weights != index["weights"] else None
-    from grpo_cli.rewards import correctness
-
-    saved = Saved(run_dir, index, reweigh, judged=correctness(list(rewards)) is not None)
+    judge = correctness(list(rewards))
+    saved = Saved(run_dir, index, reweigh, judge=judge.name if judge else None)
     differences = config_differences(run_dir, cfg)
     if reweigh is not None:
         differences.append(f"reward weights: {index['weights']} -> {weights} (the totals recomputed)")

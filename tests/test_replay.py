@@ -170,7 +170,7 @@ def test_new_weights_keep_a_failed_row_out_and_pass_by_the_new_totals(compose, t
     index = json.loads((original / "rollouts" / "index.json").read_text())
     tensors, metadata = replay._load(original / "rollouts" / "step-000001.safetensors")
     tensors["totals"][0] = math.nan
-    scored = replay._scored(tensors, metadata, index, (-2.0,), judged=False)
+    scored = replay._scored(tensors, metadata, index, (-2.0,), judge=None)
     values = tensors["values"][:, 0]
     assert math.isnan(scored.totals[0]) and torch.equal(scored.totals[1:], -2.0 * values[1:])
     assert torch.equal(scored.passed, scored.totals > 0) and not torch.equal(scored.passed, tensors["passed"])

@@ -154,8 +154,10 @@ def episode(cfg, model, tokenizer, prompt: str, settings: dict, seed: int, strea
     eos = eos_token_ids(tokenizer, model)
     device = next(model.parameters()).device
     precision = resolve_precision(cfg.trainer.precision, device, adapted=cfg.adapter.name != "none")
-    context = Context(model, eos_ids=eos, pad_id=tokenizer.pad_token_id, precision=precision, seed=seed)
-    sampler = build_sampler(sampling, dataclasses.replace(context, tokenizer=tokenizer))
+    context = Context(
+        model, eos_ids=eos, pad_id=tokenizer.pad_token_id, precision=precision, seed=seed, tokenizer=tokenizer
+    )
+    sampler = build_sampler(sampling, context)
     episodes = environment_episodes(  # (each turn's budget: --max-new-tokens)
         dataclasses.replace(cfg, sampler=sampling),
         tokenizer=tokenizer,

@@ -38,12 +38,30 @@ def arithmetic_rows(
     max_multiplier: int,
     operations: list[str],
     seed: int,
-    val_size: int = 0,
 ) -> tuple[list[dict], list[dict]]:
-    """Unique "What is a plus b?" problems; the eval rows never appear in the training rows.
-    val_size > 0: (those val_size rows drawn after them, unlike any of them, and []) instead: the
-    validation set, from the same generator, so the training and held-out rows are the same with
-    or without one."""
+    """Unique "What is a plus b?" problems; the eval rows never appear in the training rows."""
+    rows = arithmetic_problems(
+        num_examples + eval_size,
+        max_operand=max_operand,
+        max_multiplier=max_multiplier,
+        operations=operations,
+        seed=seed,
+    )
+    return rows[eval_size:], rows[:eval_size]
+
+
+def arithmetic_problems(
+    count: int,
+    *,
+    max_operand: int,
+    max_multiplier: int,
+    operations: list[str],
+    seed: int,
+    asked: str = "data.num_examples + data.eval_size",
+) -> list[dict]:
+    """`count` unique problems drawn by `seed`: a longer draw begins with a shorter one's problems
+    (what lets the validation set follow the training and held-out rows without changing them).
+    asked: the keys whose sum `count` is, for the error."""
     bad = [op for op in operations if op not in OP_WORDS]
     if bad or not operations:
         raise UserError(
@@ -51,15 +69,14 @@ def arithmetic_rows(
         )
     rng = random.Random(seed)
     space = arithmetic_space(max_operand, max_multiplier, list(operations))
-    want = num_examples + eval_size + val_size
-    if want > space:
+    if count > space:
         raise UserError(
-            f"data.num_examples + data.eval_size{' + data.val_size' if val_size else ''} = {want} exceeds the "
-            f"{space} distinct problems these operands allow; raise data.max_operand or ask for fewer."
+            f"{asked} = {count} exceeds the {space} distinct "
+            "problems these operands allow; raise data.max_operand or ask for fewer."
         )
     seen: set[tuple] = set()
     rows = []
-    while len(rows) < want:
+    while len(rows) < count:
         op = rng.choice(list(operations))
         a = rng.randint(0, max_operand)
         b = rng.randint(0, max_multiplier if op == "*" else max_operand)
@@ -67,9 +84,7 @@ def arithmetic_rows(
             continue
         seen.add((a, op, b))
         rows.append(_arithmetic_row(a, op, b))
-    if val_size:
-        return rows[num_examples + eval_size :], []
-    return rows[eval_size:], rows[:eval_size]
+    return rows
 
 
 def _arithmetic_row(a: int, op: str, b: int) -> dict:
@@ -136,10 +151,11 @@ def check(d) -> list[str]:
 def _arithmetic_space_problems(d) -> list[str]:
     problems = []
     space = arithmetic_space(d.max_operand, d.max_multiplier, list(d.operations))
-    if space is not None and d.num_examples + d.eval_size + max(d.val_size, 0) > space:
+    asked = d.num_examples + d.eval_size + max(d.val_size, 0)  # (the validation set is drawn apart)
+    if space is not None and asked > space:
         problems.append(
             f"data.num_examples + data.eval_size{' + data.val_size' if d.val_size > 0 else ''} = "
-            f"{d.num_examples + d.eval_size + max(d.val_size, 0)} exceeds the {space} "
+            f"{asked} exceeds the {space} "
             f"distinct problems that data.max_operand={d.max_operand}, data.max_multiplier="
             f"{d.max_multiplier} and data.operations allow; raise max_operand or ask for fewer examples."
         )
@@ -154,29 +170,23 @@ def _arithmetic_space_problems(d) -> list[str]:
     return problems
 
 
+def _drawn(d, seed: int) -> dict:
+    """The draw's settings from the data section `d`."""
+    return dict(
+        max_operand=d.max_operand, max_multiplier=d.max_multiplier, operations=list(d.operations), seed=seed
+    )
+
+
 def rows(d, seed: int) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows) of the data section `d`."""
-    return arithmetic_rows(
-        d.num_examples,
-        d.eval_size,
-        max_operand=d.max_operand,
-        max_multiplier=d.max_multiplier,
-        operations=list(d.operations),
-        seed=seed,
-    )
+    return arithmetic_rows(d.num_examples, d.eval_size, **_drawn(d, seed))
 
 
 def validation(d, seed: int) -> list[dict]:
     """data.val_size problems drawn after the training and held-out ones, unlike any of them."""
-    return arithmetic_rows(
-        d.num_examples,
-        d.eval_size,
-        max_operand=d.max_operand,
-        max_multiplier=d.max_multiplier,
-        operations=list(d.operations),
-        seed=seed,
-        val_size=d.val_size,
-    )[0]
+    before = d.num_examples + d.eval_size
+    asked = "data.num_examples + data.eval_size + data.val_size"
+    return arithmetic_problems(before + d.val_size, asked=asked, **_drawn(d, seed))[before:]
 
 
 def wide_rows(d, seed: int) -> list[dict]:
